@@ -132,7 +132,7 @@ def all_prompts(name: str, source: str = "local") -> list[Prompt]:
     """Every prompt of a dataset in its native order (no split, no shuffle)."""
     _check_name(name, DATASETS)
     _check_name(source, SOURCES, what="source")
-    return list(_all_prompts(name, source))
+    return list(_all_prompts(name, source, str(cache_dir())))
 
 
 def chat_ids(tokenizer: Any, turns_so_far: Sequence[str],
@@ -168,7 +168,8 @@ def _check_name(value: str, allowed: Sequence[str], what: str = "dataset") -> No
 
 
 @lru_cache(maxsize=None)
-def _all_prompts(name: str, source: str) -> tuple[Prompt, ...]:
+def _all_prompts(name: str, source: str, folder: str) -> tuple[Prompt, ...]:
+    """Parsed prompts, cached per (dataset, source, cache folder)."""
     rows = _read_rows(name, source)
     make = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench}[name]
     return tuple(make(i, row) for i, row in enumerate(rows))
