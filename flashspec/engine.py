@@ -1,0 +1,226 @@
+"""The decode loop: exact speculative decoding for a batch of prompts with ragged acceptance.
+
+Each step: the policy picks an arm (drafter, γ) from past steps only; the drafter proposes;
+the target scores [last committed token, drafts] in one forward; ``flashspec.verify`` accepts
+a prefix and emits one more token per row. Rows advance by their own n_accepted + 1, stop at
+their own EOS or length limit, and the KV caches roll back by position bookkeeping only. The
+step reads one small tensor to the host (emitted tokens and counts). γ = 0 is target-only
+autoregressive decoding through the very same path.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.errors import FlashSpecError
+from flashspec.models.llama import LlamaLM
+from flashspec.verify import get_backend
+from flashspec.verify.rng import call_seed
+from flashspec.verify.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One choice the policy can make: a drafter (None: no speculation) and γ."""
+
+    drafter: Drafter | None
+    gamma: int
+
+    @property
+    def name(self) -> str:
+        return "ar" if self.drafter is None or self.gamma == 0 else f"{self.drafter.name}@{self.gamma}"
+
+
+@dataclass
+class RowResult:
+    """What one prompt got: its new tokens and the step statistics of its generate call."""
+
+    tokens: list[int]
+    n_prompt_tokens: int
+    steps: int = 0
+    n_proposed: int = 0
+    n_accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    arms: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float | None:
+        return self.n_accepted / self.n_proposed if self.n_proposed else None
+
+    @property
+    def tau(self) -> float | None:
+        return (self.n_accepted + self.steps) / self.steps if self.steps else None
+
+
+@dataclass
+class BatchResult:
+    rows: list[RowResult]
+    wall_s: float
+    decode_s: float
+    step_s: list[float]
+
+
+class FixedPolicy:
+    """Always the same arm (the static baseline; ``flashspec.bandits`` has adaptive ones)."""
+
+    def __init__(self, arm: int = 0) -> None:
+        self.arm = arm
+
+    def select(self, context: dict | None = None) -> int:
+        return self.arm
+
+    def update(self, arm: int, reward: float, cost: float = 1.0, context: dict | None = None) -> None:
+        return None
+
+
+class SpecEngine:
+    """Speculative decoding of ``target`` with a set of arms chosen by ``policy``."""
+
+    def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Any = None,
+                 params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
+                 eos_ids: Sequence[int] = ()) -> None:
+        if not arms:
+            raise FlashSpecError("need at least one arm (drafter, gamma)")
+        for arm in arms:
+            if arm.gamma < 0 or (arm.drafter is not None and arm.gamma == 0):
+                raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
+        self.target, self.arms, self.params = target, list(arms), params
+        self.policy = policy if policy is not None else FixedPolicy(0)
+        self.verify = get_backend(backend)
+        self.seed, self.calls = seed, 0
+        self.eos_ids = set(eos_ids)
+        self.generator = torch.Generator(device=target.device)
+        self.generator.manual_seed(seed)
+        self.cache = None
+
+    # ----------------------------------------------------------------- setup
+    def _start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeState:
+        if any(len(p) == 0 for p in prompts):
+            raise FlashSpecError("empty prompt: every prompt needs at least one token")
+        gamma_max = max(a.gamma for a in self.arms)
+        capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
+        limit = self.target.shape.max_positions
+        if capacity > limit:
+            raise FlashSpecError(f"prompt of {max(len(p) for p in prompts)} tokens + "
+                                 f"{max_new_tokens} new exceeds the context window ({limit}); "
+                                 "shorten the prompt or lower max_new_tokens")
+        batch = len(prompts)
+        tokens = torch.zeros(batch, capacity, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(list(p))
+        state = DecodeState(tokens=tokens.to(self.target.device), lengths=[len(p) for p in prompts],
+                            host_tokens=[list(p) for p in prompts], finished=[False] * batch)
+        if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
+            self.cache = self.target.new_cache(batch, capacity)
+        for arm in self.arms:
+            if arm.drafter is not None:
+                arm.drafter.reset(batch, capacity)
+        width = max(state.lengths) - 1
+        if width > 0:  # prefill everything but the last prompt token
+            toks, pos = state.window([0] * batch, width)
+            self.target.forward_hidden(toks, pos, self.cache, span=width)
+        return state
+
+    # ----------------------------------------------------------------- one step
+    def _propose(self, state: DecodeState, arm: Arm) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if arm.drafter is None or arm.gamma == 0:
+            return torch.zeros(state.batch, 0, dtype=torch.long, device=state.device), None
+        return arm.drafter.propose(state, arm.gamma, self.params, self.generator)
+
+    def _verify(self, state: DecodeState, drafts: torch.Tensor, draft_logits: torch.Tensor | None
+                ) -> tuple[list[list[int]], list[int]]:
+        last = torch.tensor([t[-1] for t in state.host_tokens], device=state.device)[:, None]
+        feed = torch.cat([last, drafts], dim=1)
+        pos = torch.tensor(state.lengths, device=state.device)[:, None] - 1 + torch.arange(
+            feed.shape[1], device=state.device)
+        hidden = self.target.forward_hidden(feed, pos, self.cache, span=max(state.lengths) + drafts.shape[1])
+        state.hidden = hidden
+        logits = self.target.logits(hidden)
+        out, n_acc = self.verify(logits, drafts, draft_logits, self.params,
+                                 call_seed(self.seed, self.calls))
+        self.calls += 1
+        host = torch.cat([out, n_acc[:, None].to(out.dtype)], dim=1).tolist()  # the one host read
+        return [row[:-1] for row in host], [int(row[-1]) for row in host]
+
+    def _commit(self, state: DecodeState, out: list[list[int]], n_acc: list[int],
+                budgets: list[int]) -> list[int]:
+        """Append accepted tokens (clipped at EOS and the budget); returns tokens added per row."""
+        added = []
+        for b, (row, n) in enumerate(zip(out, n_acc)):
+            if state.finished[b]:
+                added.append(0)
+                continue
+            new = row[:n + 1][:budgets[b]]
+            for i, tok in enumerate(new):
+                if tok in self.eos_ids:
+                    new = new[:i + 1]
+                    state.finished[b] = True
+                    break
+            L = state.lengths[b]
+            state.tokens[b, L:L + len(new)] = torch.tensor(new, device=state.device)
+            state.host_tokens[b].extend(new)
+            state.lengths[b] = L + len(new)
+            budgets[b] -= len(new)
+            state.finished[b] = state.finished[b] or budgets[b] <= 0
+            added.append(len(new))
+        return added
+
+    # ----------------------------------------------------------------- the loop
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 domain: str | None = None) -> BatchResult:
+        """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence."""
+        if max_new_tokens < 1:
+            raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        t0 = time.perf_counter()
+        state = self._start(prompts, max_new_tokens)
+        state.domain = domain
+        rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
+        budgets = [max_new_tokens] * len(prompts)
+        t_decode = time.perf_counter()
+        step_s: list[float] = []
+        while not all(state.finished):
+            ts = time.perf_counter()
+            arm_id = self.policy.select({"step": len(step_s), "domain": domain})
+            arm = self.arms[arm_id]
+            drafts, draft_logits = self._propose(state, arm)
+            active = [not f for f in state.finished]
+            out, n_acc = self._verify(state, drafts, draft_logits)
+            self._commit(state, out, n_acc, budgets)
+            for drafter in {a.drafter for a in self.arms if a.drafter is not None}:
+                drafter.observe(state, n_acc)
+            step_s.append(time.perf_counter() - ts)
+            reward = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
+            if drafts.shape[1]:
+                self.policy.update(arm_id, reward, step_s[-1], {"step": len(step_s), "domain": domain})
+        for b, row in enumerate(rows):
+            row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
+        t1 = time.perf_counter()
+        return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s)
+
+    @staticmethod
+    def _record(rows: list[RowResult], active: list[bool], arm_id: int, gamma: int,
+                n_acc: list[int]) -> float:
+        """Per-row step statistics; returns the step's reward α (accepted / proposed, active rows)."""
+        proposed = accepted = 0
+        for row, live, n in zip(rows, active, n_acc):
+            if not live:
+                continue
+            row.steps += 1
+            row.arms.append(arm_id)
+            row.n_proposed += gamma
+            row.n_accepted += n
+            if len(row.accept_hist) <= gamma:
+                row.accept_hist.extend([0] * (gamma + 1 - len(row.accept_hist)))
+            row.accept_hist[n] += 1
+            proposed, accepted = proposed + gamma, accepted + n
+        reward = accepted / proposed if proposed else 0.0
+        for row, live in zip(rows, active):
+            if live:
+                row.rewards.append(reward)
+        return reward
