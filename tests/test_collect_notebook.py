@@ -1,0 +1,133 @@
+"""scripts/collect.py and notebooks/decode_results.ipynb on records of a real smoke decode sweep."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from flashspec.data import cache_dir
+from flashspec.records import RecordWriter, read_records
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "decode_results.ipynb"
+DATASETS = ("humaneval", "mtbench")
+SCHEMA = ["experiment", "method", "dataset", "prompt_id", "domain", "turn", "n_prompt_tokens",
+          "n_new_tokens", "wall_s", "decode_s", "tps", "decode_tps", "steps", "n_proposed",
+          "n_accepted", "alpha", "tau", "accept_hist", "arms", "gamma", "batch_size",
+          "temperature", "text", "provenance"]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+collect = _script("collect")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> Path:
+    """A real two-job smoke decode sweep (humaneval, mtbench) run through run.py."""
+    _script("prepare_data").prepare(cache_dir())
+    out = tmp_path_factory.mktemp("decode") / "sweep"
+    cmd = [sys.executable, "run.py", "-m", "experiment=decode", "smoke=true", "logger=disabled",
+           f"dataset={','.join(DATASETS)}", f"hydra.sweep.dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"smoke decode sweep failed:\n{proc.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(sweep: Path) -> Path:
+    out = sweep.parent / "collected" / "results.parquet"
+    assert collect.main([str(sweep), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_collect_decode_sweep(sweep: Path, results: Path):
+    df = pd.read_parquet(results)
+    on_disk = [r for f in sweep.rglob("records.jsonl") for r in read_records(f)]
+    assert len(df) == len(on_disk) > 0
+    assert set(SCHEMA) <= set(df.columns)
+    assert (df["experiment"] == "decode").all()
+    assert set(df["dataset"]) == set(DATASETS)
+    assert (df["ov.dataset"] == df["dataset"]).all()
+    assert (df["sweep_dir"] == str(sweep.resolve())).all()
+    assert df["run_dir"].nunique() == len(DATASETS)
+    assert df["overrides"].str.contains("experiment=decode").all()
+    assert (df["tps"] > 0).all() and (df["n_new_tokens"] > 0).all()
+    assert "ar" in set(df["method"]), "decode smoke must include the ar baseline for speedup"
+    summary = collect.summarize(df)
+    assert summary["records"].sum() == len(df)
+
+
+@pytest.mark.slow
+def test_speedup_pairs_each_prompt_with_its_ar_baseline(results: Path):
+    df = pd.read_parquet(results)
+    sp = collect.speedups(df)
+    spec = sp[sp["method"] != "ar"]
+    assert len(spec) > 0
+    row = spec.iloc[0]
+    base = df[(df["method"] == "ar") & (df["run_dir"] == row["run_dir"])
+              & (df["prompt_id"] == row["prompt_id"]) & (df["turn"] == row["turn"])]
+    assert row["speedup"] == pytest.approx(row["tps"] / base["tps"].median())
+    assert (sp.loc[sp["method"] == "ar", "speedup"] == 1.0).all()
+
+
+@pytest.mark.slow
+def test_notebook_executes_and_saves_figures(results: Path, monkeypatch):
+    import nbclient
+    import nbformat
+    monkeypatch.setenv("FLASHSPEC_RESULTS", str(results))
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    first = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert f"{len(pd.read_parquet(results))} decode records" in first
+    for name in ("results_tps.png", "results_tau.png", "results_speedup.png"):
+        png = results.parent / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    speedup = pd.read_csv(results.parent / "results_speedup.csv", index_col="dataset")
+    assert set(speedup.index) == set(DATASETS) and (speedup.to_numpy() > 0).all()
+
+
+def test_collect_groups_other_experiments_and_reads_overrides(tmp_path: Path):
+    """Non-decode records (here a kernel benchmark's) land in their own parquet beside -o."""
+    job = tmp_path / "sweep" / "0_backend=triton"
+    (job / ".hydra").mkdir(parents=True)
+    (tmp_path / "sweep" / "multirun.yaml").write_text("hydra: {}\n")
+    (job / ".hydra" / "config.yaml").write_text("experiment:\n  name: kernel_bench\n")
+    (job / ".hydra" / "overrides.yaml").write_text("- backend=triton\n- +hardware.x=2\n")
+    writer = RecordWriter(job / "records.jsonl")
+    writer.write({"experiment": "kernel_bench", "V": 32000, "ms": [1.5, 1.25],
+                  "provenance": {"commit": "c0", "seed": 3, "hardware": {"machine": "x86_64"}}})
+    writer.write({"V": 65536, "ms": [2.5], "meta": {"a": 1}})
+    with (job / "records.jsonl").open("a") as f:
+        f.write('{"truncated": ')
+    (job / "wandb").mkdir()
+    (job / "wandb" / "junk.jsonl").write_text(json.dumps({"experiment": "junk"}) + "\n")
+    out = tmp_path / "res" / "results.parquet"
+    assert collect.main([str(tmp_path / "sweep"), "-o", str(out)]) == 0
+    assert not out.exists()
+    df = pd.read_parquet(tmp_path / "res" / "results_kernel_bench.parquet")
+    assert df["V"].tolist() == [32000, 65536] and df["ms"].map(list).tolist() == [[1.5, 1.25], [2.5]]
+    assert df["ov.backend"].tolist() == ["triton"] * 2 and df["ov.hardware.x"].tolist() == ["2"] * 2
+    assert df["sweep_dir"].tolist() == [str((tmp_path / "sweep").resolve())] * 2
+    assert df.loc[0, "commit"] == "c0" and df.loc[0, "hardware"] == "cpu:x86_64"
+    assert json.loads(df.loc[1, "meta"]) == {"a": 1}
+
+
+def test_collect_without_records_fails_with_one_line(tmp_path: Path, capsys):
+    assert collect.main([str(tmp_path), "-o", str(tmp_path / "r.parquet")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "experiment=decode" in err
+    assert collect.main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
