@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -131,11 +132,12 @@ def arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
     for col in df.columns:
         if df[col].dtype != object:
             continue
-        values = df[col].tolist()
+        values = [None if isinstance(v, float) and math.isnan(v) else v for v in df[col].tolist()]
         needs_json = any(isinstance(v, dict) for v in values)
         if not needs_json:
             try:
                 pa.array(values)
+                df[col] = pd.Series(values, index=df.index, dtype=object)
             except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
                 needs_json = True
         if needs_json:

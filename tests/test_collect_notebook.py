@@ -108,7 +108,7 @@ def test_collect_groups_other_experiments_and_reads_overrides(tmp_path: Path):
     (job / ".hydra" / "overrides.yaml").write_text("- backend=triton\n- +hardware.x=2\n")
     writer = RecordWriter(job / "records.jsonl")
     writer.write({"experiment": "kernel_bench", "V": 32000, "ms": [1.5, 1.25],
-                  "provenance": {"commit": "c0", "seed": 3, "hardware": {"machine": "x86_64"}}})
+                  "extra": [1, 2], "provenance": {"commit": "c0", "seed": 3, "hardware": {"machine": "x86_64"}}})
     writer.write({"V": 65536, "ms": [2.5], "meta": {"a": 1}})
     with (job / "records.jsonl").open("a") as f:
         f.write('{"truncated": ')
@@ -123,6 +123,7 @@ def test_collect_groups_other_experiments_and_reads_overrides(tmp_path: Path):
     assert df["sweep_dir"].tolist() == [str((tmp_path / "sweep").resolve())] * 2
     assert df.loc[0, "commit"] == "c0" and df.loc[0, "hardware"] == "cpu:x86_64"
     assert json.loads(df.loc[1, "meta"]) == {"a": 1}
+    assert list(df.loc[0, "extra"]) == [1, 2] and df.loc[1, "extra"] is None
 
 
 def test_collect_without_records_fails_with_one_line(tmp_path: Path, capsys):
