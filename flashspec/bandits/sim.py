@@ -1,0 +1,138 @@
+"""Synthetic bandit problems and a simulator vectorised over seeds (replicates).
+
+A scenario fixes per-round true means ``[T, K]`` (stationary, piecewise-stationary with change
+points, or switched by a per-round domain). Rewards are Bernoulli(μ) or Beta with mean μ and
+concentration c (fractional, like per-step acceptance rates). Regret is the pseudo-regret
+Σ_t (μ*_t − μ_{a_t, t}) against the known means (DESIGN.md).
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from flashspec.bandits.base import Policy
+from flashspec.errors import FlashSpecError
+
+REWARD_DISTS = ("bernoulli", "beta")
+
+
+@dataclass
+class Scenario:
+    """One synthetic problem: per-round means, reward law, optional per-round domain labels."""
+
+    name: str
+    means: np.ndarray  # [T, K]
+    rewards: str = "bernoulli"
+    concentration: float = 10.0
+    domains: list[str] | None = None  # per-round context["domain"], or None
+    spec: dict[str, Any] = field(default_factory=dict)  # the inputs, for records
+
+    @property
+    def horizon(self) -> int:
+        return self.means.shape[0]
+
+    @property
+    def n_arms(self) -> int:
+        return self.means.shape[1]
+
+    @property
+    def gaps(self) -> np.ndarray:
+        """``[T, K]`` per-round gap of each arm to that round's best arm."""
+        return self.means.max(axis=1, keepdims=True) - self.means
+
+    def context(self, t: int) -> dict[str, Any]:
+        return {"step": t, "domain": None if self.domains is None else self.domains[t]}
+
+
+def make_scenario(name: str, horizon: int, means: Sequence | Mapping[str, Sequence],
+                  rewards: str = "bernoulli", concentration: float = 10.0,
+                  change_points: Sequence[int] = (), domain_probs: Mapping[str, float] | None = None,
+                  seed: int = 0) -> Scenario:
+    """Build a scenario.
+
+    ``means``: ``[K]`` (stationary); ``[S, K]`` segments split at ``change_points`` (S − 1
+    increasing rounds); or ``{domain: [K]}`` with domains drawn i.i.d. per round from
+    ``domain_probs`` (uniform when None) using ``seed``.
+    """
+    if rewards not in REWARD_DISTS:
+        raise FlashSpecError(f"scenario {name}: rewards={rewards!r}, choose one of {REWARD_DISTS}")
+    domains = None
+    if isinstance(means, Mapping):
+        names = list(means)
+        probs = np.array([float((domain_probs or {}).get(d, 1.0)) for d in names])
+        idx = np.random.default_rng(seed).choice(len(names), size=horizon, p=probs / probs.sum())
+        table = np.asarray([means[d] for d in names], dtype=float)[idx]
+        domains = [names[i] for i in idx]
+    else:
+        segs = np.atleast_2d(np.asarray(means, dtype=float))
+        cps = [int(c) for c in change_points]
+        if len(cps) != len(segs) - 1 or cps != sorted(cps) or (cps and not 0 < cps[0] <= cps[-1] < horizon):
+            raise FlashSpecError(f"scenario {name}: {len(segs)} mean segments need {len(segs) - 1} "
+                                 f"increasing change points inside (0, {horizon}), got {cps}")
+        table = segs[np.searchsorted(cps, np.arange(horizon), side="right")]
+    if table.min() < 0 or table.max() > 1:
+        raise FlashSpecError(f"scenario {name}: arm means must lie in [0, 1]")
+    spec = {"means": _plain(means), "rewards": rewards, "change_points": list(change_points),
+            "domain_probs": dict(domain_probs or {}) or None, "horizon": horizon}
+    if rewards == "beta":
+        spec["concentration"] = concentration
+    return Scenario(name, table, rewards, float(concentration), domains, spec)
+
+
+def env_seeds(base_seed: int, scenario: str, n: int, stream: int) -> list[int]:
+    """Per-replicate seeds; ``stream`` separates environment (0) and policy (1) randomness."""
+    tag = zlib.crc32(scenario.encode())
+    return [int(np.random.SeedSequence([base_seed, tag, r, stream]).generate_state(1)[0])
+            for r in range(n)]
+
+
+def draw_rewards(scn: Scenario, seeds: Sequence[int]) -> np.ndarray:
+    """``[n_seeds, T, K]`` rewards of every arm at every round (common to all policies)."""
+    out = np.empty((len(seeds), scn.horizon, scn.n_arms), dtype=np.float32)
+    for i, s in enumerate(seeds):
+        rng = np.random.default_rng(s)
+        if scn.rewards == "bernoulli":
+            out[i] = rng.random(scn.means.shape) < scn.means
+        else:
+            mu = np.clip(scn.means, 1e-6, 1 - 1e-6)
+            out[i] = rng.beta(mu * scn.concentration, (1 - mu) * scn.concentration)
+    return out
+
+
+@dataclass
+class SimResult:
+    arms: np.ndarray  # [n_seeds, T] played arms
+    regret: np.ndarray  # [n_seeds, T] cumulative pseudo-regret after each round
+
+
+def simulate(policy: Policy, scn: Scenario, rewards: np.ndarray, full_info: bool = False,
+             progress: bool = False, desc: str | None = None) -> SimResult:
+    """Run ``policy`` (one replicate per row of ``rewards``) for the scenario's horizon."""
+    n, horizon, k = rewards.shape
+    if policy.n_envs != n or policy.n_arms != k or horizon != scn.horizon:
+        raise FlashSpecError(f"simulate: policy has {policy.n_envs} replicates x {policy.n_arms} arms, "
+                             f"rewards are {rewards.shape}, scenario horizon {scn.horizon}")
+    rows = np.arange(n)
+    arms = np.empty((n, horizon), dtype=np.int64)
+    for t in tqdm(range(horizon), disable=not progress, desc=desc, leave=False, mininterval=1.0):
+        ctx = scn.context(t)
+        a = policy.select_many(ctx)
+        arms[:, t] = a
+        if full_info:
+            policy.update_all_many(rewards[:, t, :].astype(float), None, ctx)
+        else:
+            policy.update_many(a, rewards[rows, t, a].astype(float), None, ctx)
+    inst = scn.gaps[np.arange(horizon)[None, :], arms]
+    return SimResult(arms, np.cumsum(inst, axis=1))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in x]
+    return float(x) if isinstance(x, (int, float, np.floating)) else x

@@ -1,0 +1,80 @@
+"""Thompson sampling with Beta posteriors, stationary and discounted (non-stationary).
+
+A fractional reward r ∈ [0, 1] (e.g. an acceptance rate) is turned into one Bernoulli(r)
+trial before the Beta update (Agrawal & Goyal 2012), so the posterior stays Beta.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from flashspec.bandits.base import Context, Policy
+from flashspec.errors import FlashSpecError
+
+
+class ThompsonSampling(Policy):
+    """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw."""
+
+    name = "thompson"
+
+    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, prior_alpha: float = 1.0,
+                 prior_beta: float = 1.0, **kw: float) -> None:
+        super().__init__(n_arms, seed, **kw)
+        if not (prior_alpha > 0 and prior_beta > 0):
+            raise FlashSpecError(f"bandit={self.name}: prior_alpha={prior_alpha} and "
+                                 f"prior_beta={prior_beta} must be > 0")
+        self.prior_alpha, self.prior_beta = float(prior_alpha), float(prior_beta)
+        self._succ = np.zeros((self.n_envs, self.n_arms))
+        self._fail = np.zeros((self.n_envs, self.n_arms))
+
+    def _scores(self, context: Context) -> np.ndarray:
+        a = self.prior_alpha + self._succ
+        b = self.prior_beta + self._fail
+        return np.stack([g.beta(a[i], b[i]) for i, g in enumerate(self.rngs)])
+
+    def _trials(self, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Bernoulli(r) success / failure indicators for observed entries (0 elsewhere)."""
+        u = self.uniforms.take(self.n_arms)
+        seen = ~np.isnan(r)
+        win = seen & (u < np.nan_to_num(self.unit(r)))
+        return win.astype(float), (seen & ~win).astype(float)
+
+    def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
+        win, lose = self._trials(r)
+        self._succ += win
+        self._fail += lose
+        super()._observe(r, c, pulled, context)
+
+    @property
+    def posterior_means(self) -> np.ndarray:
+        """Posterior mean of each arm's success rate (reward / reward_scale)."""
+        return self._squeeze(self._posterior_mean())
+
+    def _posterior_mean(self) -> np.ndarray:
+        a = self.prior_alpha + self._succ
+        return a / (a + self.prior_beta + self._fail)
+
+
+class DiscountedThompson(ThompsonSampling):
+    """Discounted Thompson sampling (Raj & Kalyani 2017): every round all success / failure
+    counts are multiplied by ``discount`` before the new trial is added, so old evidence fades
+    with an effective memory of about 1 / (1 − discount) rounds.
+    """
+
+    name = "d_thompson"
+
+    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, discount: float = 0.99,
+                 prior_alpha: float = 1.0, prior_beta: float = 1.0, **kw: float) -> None:
+        super().__init__(n_arms, seed, prior_alpha, prior_beta, **kw)
+        if not 0.0 < discount <= 1.0:
+            raise FlashSpecError(f"bandit=d_thompson: discount={discount} must lie in (0, 1]")
+        self.discount = float(discount)
+
+    def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
+        self._succ *= self.discount
+        self._fail *= self.discount
+        super()._observe(r, c, pulled, context)
+
+    def _estimates(self) -> np.ndarray:
+        return self.reward_scale * self._posterior_mean()

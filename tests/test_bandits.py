@@ -1,0 +1,207 @@
+"""Bandit policies, the regret simulator, the UCB1 bound and the bandit_sim experiment."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from flashspec.bandits import POLICIES, from_config, make_policy, reward
+from flashspec.bandits.sim import draw_rewards, env_seeds, make_scenario, simulate
+from flashspec.errors import FlashSpecError
+from flashspec.theory import bernoulli_kl, lai_robbins_bound, ucb1_regret_bound
+
+ROOT = Path(__file__).resolve().parents[1]
+EASY = [0.2, 0.8, 0.5]  # best arm 1
+STOCHASTIC = ["eps_greedy", "ucb1", "thompson", "sw_ucb", "d_thompson", "exp3", "contextual"]
+
+
+def _policy(name: str, n_arms: int, seeds, horizon: int, means=None):
+    kw = {"fixed": {"arm": 1}, "oracle": {"means": means}, "exp3": {"horizon": horizon}}.get(name, {})
+    return make_policy(name, n_arms, seeds, **kw)
+
+
+def _run(name: str, means, horizon: int, n_seeds: int = 8, change_fractions=(), seed: int = 0):
+    scn = make_scenario("t", horizon, means, change_points=[round(f * horizon) for f in change_fractions])
+    rewards = draw_rewards(scn, env_seeds(seed, "t", n_seeds, 0))
+    policy = _policy(name, scn.n_arms, env_seeds(seed, "t", n_seeds, 1), horizon, scn.means)
+    return simulate(policy, scn, rewards), scn
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_converges_to_best_arm(name):
+    res, _ = _run(name, EASY, horizon=2000)
+    late = (res.arms[:, -500:] == 1).mean()
+    assert late > 0.85, f"{name} plays the best arm {late:.2f} of the last 500 steps"
+
+
+def test_nonstationary_policies_adapt_faster_than_ucb1():
+    """The best arm degrades at T/2 (a domain shift hurts the drafter): UCB1's long history keeps
+    its mean high for ~1400 steps; windowed / discounted statistics forget it quickly."""
+    means, fr = [[0.8, 0.5], [0.2, 0.5]], (0.5,)
+    after = {}
+    for name in ("ucb1", "sw_ucb", "d_thompson"):
+        res, _ = _run(name, means, horizon=4000, n_seeds=10, change_fractions=fr)
+        after[name] = (res.regret[:, -1] - res.regret[:, 1999]).mean()
+    assert after["sw_ucb"] < 0.5 * after["ucb1"], after
+    assert after["d_thompson"] < 0.5 * after["ucb1"], after
+
+
+@pytest.mark.parametrize("name", STOCHASTIC)
+def test_deterministic_under_seed(name):
+    a1 = _run(name, EASY, 300, n_seeds=3, seed=5)[0].arms
+    a2 = _run(name, EASY, 300, n_seeds=3, seed=5)[0].arms
+    a3 = _run(name, EASY, 300, n_seeds=3, seed=6)[0].arms
+    assert np.array_equal(a1, a2)
+    assert not np.array_equal(a1, a3)
+
+
+@pytest.mark.parametrize("name", STOCHASTIC)
+def test_batched_replicate_equals_scalar_policy(name):
+    """Replicate r of a vectorised policy makes the scalar policy's choices for seed r."""
+    seeds, horizon = [11, 22, 33], 300
+    scn = make_scenario("t", horizon, EASY)
+    rewards = draw_rewards(scn, [1, 2, 3])
+    batched = simulate(_policy(name, 3, seeds, horizon), scn, rewards).arms
+    single = _policy(name, 3, seeds[1], horizon)
+    arms = []
+    for t in range(horizon):
+        ctx = {"step": t, "domain": None}
+        a = single.select(ctx)
+        single.update(a, float(rewards[1, t, a]), 1.0, ctx)
+        arms.append(a)
+    assert np.array_equal(batched[1], arms)
+
+
+def test_oracle_and_fixed_regret_exact():
+    res, scn = _run("oracle", [[0.3, 0.7], [0.9, 0.1]], 1000, change_fractions=(0.4,))
+    assert np.all(res.regret == 0)
+    res, _ = _run("fixed", EASY, 1000)  # arm 1 is the best arm
+    assert np.all(res.regret == 0)
+    fixed0 = simulate(make_policy("fixed", 3, [0, 1]), scn := make_scenario("t", 1000, EASY),
+                      draw_rewards(scn, [0, 1]))
+    assert np.allclose(fixed0.regret[:, -1], 0.6 * 1000)
+
+
+def test_contextual_learns_each_domain():
+    scn = make_scenario("d", 3000, {"code": [0.8, 0.3], "chat": [0.3, 0.8]}, seed=1)
+    rewards = draw_rewards(scn, range(6))
+    ctx = simulate(make_policy("contextual", 2, list(range(6))), scn, rewards)
+    flat = simulate(make_policy("thompson", 2, list(range(6))), scn, rewards)
+    assert ctx.regret[:, -1].mean() < 0.25 * flat.regret[:, -1].mean()
+    best = np.array([0 if d == "code" else 1 for d in scn.domains])
+    assert (ctx.arms[:, -1000:] == best[-1000:]).mean() > 0.9
+    pol = make_policy("contextual", 2, 0)
+    pol.update(pol.select({"domain": "code"}), 1.0)
+    assert set(pol.per_domain) == {"code"}
+
+
+def test_full_information_update():
+    pol = make_policy("ucb1", 3, 0)
+    for _ in range(5):
+        pol.select()
+        pol.update_all([1.0, None, 0.0])
+    assert pol.t == 5 and pol.counts.tolist() == [5, 0, 5]
+    assert pol.values.tolist() == [1.0, 0.0, 0.0]
+    # full information lets Thompson settle on the best arm almost at once
+    ts = make_policy("thompson", 3, 0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        ts.select()
+        ts.update_all((rng.random(3) < np.array(EASY)).astype(float).tolist())
+    assert sum(ts.select() == 1 for _ in range(50)) >= 48
+
+
+def test_counts_values_costs_for_logging():
+    pol = make_policy("eps_greedy", 2, 0)
+    pol.update(0, 0.5, cost=2.0)
+    pol.update(0, 1.0, cost=4.0)
+    pol.update(1, 0.25)
+    assert pol.counts.tolist() == [2, 1]
+    assert pol.values.tolist() == [0.75, 0.25]
+    assert pol.mean_costs.tolist() == [3.0, 1.0]
+    with pytest.raises(FlashSpecError):
+        pol.update(2, 1.0)
+    with pytest.raises(FlashSpecError):
+        pol.update(0, 1.0, cost=0.0)
+    with pytest.raises(FlashSpecError):
+        make_policy("ucb1", 2, [0, 1]).select()
+
+
+def test_factory_errors_are_clear():
+    with pytest.raises(FlashSpecError, match="unknown bandit policy 'nope'.*ucb1"):
+        make_policy("nope", 3)
+    with pytest.raises(FlashSpecError, match="does not take window"):
+        make_policy("ucb1", 3, window=10)
+    with pytest.raises(FlashSpecError, match="no 'name'"):
+        from_config({"c": 1.0}, 3)
+    with pytest.raises(FlashSpecError, match="bandit.reward"):
+        from_config({"name": "ucb1", "reward": "speed"}, 3)
+    with pytest.raises(FlashSpecError, match="outside"):
+        make_policy("fixed", 3, arm=3)
+    with pytest.raises(FlashSpecError, match="true arm means"):
+        make_policy("oracle", 3)
+    with pytest.raises(FlashSpecError, match="inner"):
+        make_policy("contextual", 3, inner="contextual")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf" / "bandit").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_bandit_config_builds(path):
+    cfg = OmegaConf.load(path)
+    assert cfg.name == path.stem and cfg.reward == "alpha" and cfg.full_info is False
+    extra = {"means": [0.1, 0.2, 0.3]} if cfg.name == "oracle" else {}
+    pol = from_config(cfg, 3, 0, **extra)
+    assert pol.reward_kind == "alpha" and pol.full_info is False
+    arm = pol.select({"step": 0, "domain": "code"})
+    pol.update(arm, 0.5, 1.0, {"step": 0, "domain": "code"})
+    assert 0 <= arm < 3 and pol.counts.sum() == 1
+
+
+def test_reward_kinds():
+    assert reward("alpha", 4, 3) == 0.75
+    assert reward("tps", 4, 3, wall_s=0.5) == 8.0  # 3 accepted + 1 bonus token in 0.5 s
+    assert reward("tps", 8, 5, wall_s=1.0, n_rows=2) == 7.0
+    assert reward("accepted_per_cost", 4, 3, draft_cost=1.5) == 2.0
+    for bad in (lambda: reward("alpha", 0, 0), lambda: reward("alpha", 2, 3),
+                lambda: reward("tps", 4, 3), lambda: reward("accepted_per_cost", 4, 3),
+                lambda: reward("speed", 4, 3)):
+        with pytest.raises(FlashSpecError):
+            bad()
+
+
+def test_ucb1_bound_formula():
+    # Auer et al. 2002, Thm 1: sum 8 ln T / gap + (1 + pi^2 / 3) sum gap
+    expect = 8 * math.log(100) / 0.1 + (1 + math.pi ** 2 / 3) * 0.1
+    assert ucb1_regret_bound([0.9, 0.8], 100) == pytest.approx(expect)
+    assert ucb1_regret_bound([0.8, 0.9, 0.9], 100) == pytest.approx(expect)  # zero gaps drop out
+    assert ucb1_regret_bound([0.5], 10_000) == 0.0
+    assert ucb1_regret_bound([0.55, 0.75, 0.30], 10_000) == pytest.approx(534.94, abs=0.01)
+    assert bernoulli_kl(0.3, 0.3) == 0.0 and bernoulli_kl(0.3, 0.7) > 0
+    assert 0 < lai_robbins_bound([0.55, 0.75, 0.30], 10_000) < ucb1_regret_bound([0.55, 0.75, 0.30], 10_000)
+
+
+def test_paper_setting_thompson_below_ucb1_below_bound():
+    """T = 10,000, K = 3 (our means for the seed paper's setting), 20 seeds."""
+    means = [0.55, 0.75, 0.30]
+    final = {n: _run(n, means, 10_000, n_seeds=20)[0].regret[:, -1].mean() for n in ("ucb1", "thompson")}
+    assert final["thompson"] < final["ucb1"] < ucb1_regret_bound(means, 10_000), final
+
+
+def test_run_py_bandit_sim_smoke(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "run.py", "experiment=bandit_sim", "smoke=true", "logger=disabled",
+                           f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "bandit_sim.jsonl").read_text().splitlines()]
+    regret = [r for r in recs if r["kind"] == "regret"]
+    assert {r["scenario"] for r in regret} == {"paper", "beta_k5", "change_points", "domains"}
+    assert all(r["n_seeds"] >= 2 and r["provenance"]["config"]["smoke"] for r in regret)
+    paper = [r for r in recs if r["kind"] == "paper_comparison"]
+    assert len(paper) == 1 and paper[0]["paper"]["ucb1"] == 100.2
+    assert (out / "regret.png").stat().st_size > 10_000
