@@ -1,0 +1,230 @@
+"""experiment=decode: target-only AR, speculative decoding and HF baselines on the same prompts.
+
+Writes one JSONL record per (prompt, turn, method) into ``records.jsonl`` of the run
+directory, flushed as it goes; rerunning into the same directory resumes where it stopped.
+Prints and logs a summary table (α, τ, TPS, speedup per dataset and method).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from flashspec.build import build_arms, build_drafter, build_policy, build_target
+from flashspec.data import Prompt, chat_ids, prompts_from_config
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.metrics import format_table, summarize
+from flashspec.records import RecordWriter, WandbLogger, provenance
+from flashspec.verify.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_prompt_lookup")
+
+
+@dataclass
+class Method:
+    """A named way to decode a batch: ``run(prompt_ids, max_new) -> list[dict]`` of row stats."""
+
+    name: str
+    run: Callable[[list[list[int]], int, str | None], list[dict[str, Any]]]
+
+
+def engine_method(name: str, engine: SpecEngine) -> Method:
+    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
+        res = engine.generate(prompts, max_new, domain=domain)
+        return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
+                 "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
+                 "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
+                 "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99)}
+                for r in res.rows]
+    return Method(name, run)
+
+
+def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], lookup: int | None) -> Method:
+    """HF transformers' own generate (greedy or sampled), optionally with prompt lookup."""
+    import time
+
+    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
+        out = []
+        for p in prompts:
+            ids = torch.tensor([p], device=hf_model.device)
+            kwargs = dict(max_new_tokens=max_new, do_sample=not params.greedy, eos_token_id=eos,
+                          pad_token_id=eos[0] if eos else None)
+            if not params.greedy:
+                kwargs.update(temperature=params.temperature, top_k=params.top_k or None,
+                              top_p=params.top_p)
+            if lookup:
+                kwargs["prompt_lookup_num_tokens"] = lookup
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                gen = hf_model.generate(ids, **kwargs)
+            wall = time.perf_counter() - t0
+            toks = gen[0, len(p):].tolist()
+            out.append({"tokens": toks, "wall_s": wall, "decode_s": wall, "steps": len(toks),
+                        "n_proposed": 0, "n_accepted": 0, "accept_hist": [], "arms": [],
+                        "rewards": []})
+        return out
+    return Method(name, run)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    from flashspec.metrics import percentile
+    return percentile(values, q)
+
+
+def spec_name(arms: list[Arm], cfg_bandit: DictConfig) -> str:
+    if cfg_bandit.name == "fixed":
+        return f"spec:{arms[int(cfg_bandit.get('arm', 0))].name}"
+    return f"spec:bandit:{cfg_bandit.name}"
+
+
+def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eos: list[int]) -> list[Method]:
+    """The methods named in ``experiment.methods``, sharing one target model."""
+    exp = cfg.experiment
+    unknown = [m for m in exp.methods if m not in METHODS]
+    if unknown:
+        raise FlashSpecError(f"unknown decode method(s) {unknown}; choose from {list(METHODS)}")
+    backend = cfg.hardware.verify_backend
+    kw = dict(params=params, backend=backend, seed=int(cfg.seed), eos_ids=eos)
+    methods: list[Method] = []
+    arms: list[Arm] = []
+    if {"spec", "each_arm"} & set(exp.methods):
+        drafters = {}
+        for spec in cfg.drafters.drafters:
+            d = build_drafter(spec, target, tokenizer, cfg.hardware, cfg.head)
+            drafters[d.name] = d
+        arms = build_arms(OmegaConf.to_container(cfg.drafters, resolve=True), drafters)
+    for m in exp.methods:
+        if m == "ar":
+            methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
+        elif m == "spec":
+            policy = build_policy(cfg.bandit, len(arms), int(cfg.seed))
+            methods.append(engine_method(spec_name(arms, cfg.bandit), SpecEngine(target, arms, policy, **kw)))
+        elif m == "each_arm":
+            methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
+        else:
+            methods.append(hf_method(m, _hf_model(cfg), params, eos,
+                                     int(exp.hf_prompt_lookup_tokens) if m == "hf_prompt_lookup" else None))
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise FlashSpecError(f"two methods share a name: {names}")
+    return methods
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_model(cfg: DictConfig):
+    """The same target weights as an HF transformers model (for HF's own generate)."""
+    from transformers import AutoModelForCausalLM
+    from flashspec.models.loading import hf_dir, resolve_dtype, smollm2_dir
+    src = cfg.target.source
+    if src.startswith("dummy:") or src.endswith(".gguf"):
+        raise FlashSpecError(f"HF baselines need an HF model directory; target.source={src!r}")
+    key = (src, cfg.hardware.device)
+    if key not in _HF_CACHE:
+        directory = smollm2_dir() if src == "smollm2" else hf_dir(src)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(cfg.target.dtype))
+        _HF_CACHE[key] = model.to(cfg.hardware.device).eval()
+    return _HF_CACHE[key]
+
+
+def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
+    return chat_ids(tokenizer, prompt.turns[:len(answers) + 1], answers)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Decode every prompt with every method; returns the summary rows."""
+    torch.manual_seed(int(cfg.seed))
+    exp, ds = cfg.experiment, cfg.dataset
+    if int(exp.batch_size) < 1:
+        raise FlashSpecError(f"experiment.batch_size must be >= 1, got {exp.batch_size}")
+    params = SamplingParams(float(exp.temperature), int(exp.top_k), float(exp.top_p))
+    max_new = 8 if cfg.smoke else int(ds.max_new_tokens)
+    prompts = prompts_from_config({**OmegaConf.to_container(ds, resolve=True),
+                                   **({"n_prompts": 1} if cfg.smoke else {})})
+    target, tokenizer = build_target(cfg.target, cfg.hardware)
+    eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    methods = build_methods(cfg, target, tokenizer, params, eos)
+    out_dir = Path(cfg.output_dir)
+    writer = RecordWriter(out_dir / exp.records)
+    done = writer.done_keys("method", "prompt_id", "turn")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    prov = provenance(resolved, int(cfg.seed))
+    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
+                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
+                         name=_run_name(), dir=out_dir)
+    if exp.warmup:
+        warm = prompt_turn_ids(tokenizer, prompts[0], [])
+        for m in methods:
+            m.run([warm], 4, None)
+    batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
+    bar = tqdm(total=len(batches) * len(methods), desc="decode", unit="batch")
+    for bi, batch in enumerate(batches):
+        for m in methods:
+            _decode_batch(m, batch, bi, tokenizer, max_new, params, cfg, prov, writer, logger, done)
+            bar.update()
+    bar.close()
+    from flashspec.records import read_records
+    rows = summarize(read_records(writer.path))
+    print(f"\nrecords: {writer.path}\n" + format_table(rows))
+    logger.table("summary", rows)
+    logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
+                    for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})
+    logger.finish()
+    return {"summary": rows, "records": str(writer.path)}
+
+
+def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer, max_new: int,
+                  params: SamplingParams, cfg: DictConfig, prov: dict, writer: RecordWriter,
+                  logger: WandbLogger, done: set) -> None:
+    """All turns of one batch of prompts with one method (turn 2 follows the method's own answer)."""
+    if all((method.name, p.id, t) in done for p in batch for t in range(len(p.turns))):
+        return
+    answers: dict[str, list[str]] = {p.id: [] for p in batch}
+    for turn in range(max(len(p.turns) for p in batch)):
+        rows = [p for p in batch if len(p.turns) > turn]
+        ids = [prompt_turn_ids(tokenizer, p, answers[p.id]) for p in rows]
+        stats = method.run(ids, max_new, rows[0].domain)
+        for p, prompt_ids, st in zip(rows, ids, stats):
+            text = tokenizer.decode(st["tokens"], skip_special_tokens=True)
+            answers[p.id].append(text)
+            if (method.name, p.id, turn) in done:
+                continue
+            rec = _record(method.name, p, turn, prompt_ids, st, text, batch_id, len(rows), params, prov)
+            writer.write(rec)
+            logger.log({f"{p.dataset}/{method.name}/{k}": rec[k] for k in ("tps", "alpha", "tau")
+                        if rec[k] is not None})
+
+
+def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, text: str,
+            batch_id: int, batch_size: int, params: SamplingParams, prov: dict) -> dict[str, Any]:
+    n_new = len(st["tokens"])
+    steps = st["steps"]
+    return {"experiment": "decode", "method": method, "dataset": p.dataset, "prompt_id": p.id,
+            "domain": p.domain, "category": p.category, "turn": turn,
+            "n_prompt_tokens": len(prompt_ids), "n_new_tokens": n_new, "wall_s": st["wall_s"],
+            "decode_s": st["decode_s"], "tps": n_new / st["wall_s"] if st["wall_s"] else None,
+            "decode_tps": n_new / st["decode_s"] if st["decode_s"] else None, "steps": steps,
+            "n_proposed": st["n_proposed"], "n_accepted": st["n_accepted"],
+            "alpha": st["n_accepted"] / st["n_proposed"] if st["n_proposed"] else None,
+            "tau": (st["n_accepted"] + steps) / steps if steps else None,
+            "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
+            "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
+            "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
+            "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
+            "tokens": st["tokens"], "text": text, "provenance": prov}
+
+
+def _run_name() -> str | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return HydraConfig.get().job.override_dirname or "default"
+    except Exception:
+        return None

@@ -1,0 +1,59 @@
+"""Metric definitions over decode records (names as in DESIGN.md: α, τ, TPS, speedup)."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Iterable
+
+
+def alpha(n_accepted: int, n_proposed: int) -> float | None:
+    """Accepted draft tokens / proposed draft tokens (ratio of sums)."""
+    return n_accepted / n_proposed if n_proposed else None
+
+
+def tau(n_accepted: int, steps: int) -> float | None:
+    """Tokens emitted per target forward: mean(n_accepted + 1) over steps."""
+    return (n_accepted + steps) / steps if steps else None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[dict[str, Any]]:
+    """One row per (dataset, method): α, τ, TPS (sum tokens / sum batch wall), speedup.
+
+    speedup = median over prompts of TPS(method) / TPS(baseline) on the same prompt and turn.
+    """
+    recs = [r for r in records if r.get("experiment", "decode") == "decode"]
+    base = {(r["dataset"], r["prompt_id"], r["turn"]): r["tps"] for r in recs if r["method"] == baseline}
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in recs:
+        groups[(r["dataset"], r["method"])].append(r)
+    rows = []
+    for (dataset, method), rs in sorted(groups.items()):
+        walls = {r.get("batch_id", i): r["wall_s"] for i, r in enumerate(rs)}
+        ratios = [r["tps"] / base[k] for r in rs
+                  if (k := (r["dataset"], r["prompt_id"], r["turn"])) in base and base[k] > 0]
+        steps = sum(r["steps"] for r in rs)
+        acc = sum(r["n_accepted"] for r in rs)
+        rows.append({"dataset": dataset, "method": method, "prompts": len(rs),
+                     "tokens": sum(r["n_new_tokens"] for r in rs),
+                     "alpha": alpha(acc, sum(r["n_proposed"] for r in rs)), "tau": tau(acc, steps),
+                     "tps": sum(r["n_new_tokens"] for r in rs) / max(sum(walls.values()), 1e-9),
+                     "speedup": statistics.median(ratios) if ratios else None})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table of summary rows."""
+    cols = ["dataset", "method", "prompts", "tokens", "alpha", "tau", "tps", "speedup"]
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    cells = [cols] + [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
