@@ -1,0 +1,531 @@
+"""Triton kernels of fused exact verification (contract: flashspec.verify.triton_backend.verify).
+
+Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, position]):
+
+1. ``stats_kernel``: per (row, position, chunk) the running max, the log-sum-exp partial
+   sum (temperature applied, top-k mask applied) and the first argmax. The last program of a
+   row group (atomic counter) or a separate ``decide_kernel`` merges the partials, runs the
+   accept tests in log space and finds the first rejection j* of every row.
+2. ``race_kernel``: only position j* of each stochastic row is read again; every chunk runs
+   its part of the exponential race over the residual max(0, p - q) (or p for the bonus),
+   and the last program (or ``finish_kernel``) picks the winner.
+
+Random numbers are ``flashspec.verify.rng.uniform`` ported to uint32 arithmetic. On the GPU
+the transcendental functions of the race are libdevice's (the ones torch's CUDA kernels
+use); under TRITON_INTERPRET=1 they are numpy's.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+FLT_MAX = 3.4028234663852886e38
+LOG2E = 1.4426950408889634
+BIG_IDX = 2**30
+N_ROWSTAT = 5          # jstar, Mz_p, logS_p, Mz_q, logS_q per row
+
+
+# ----------------------------------------------------------------------------- rng
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint32 (wrapping multiplies, logical shifts)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _stream_key(seed_mixed, stream):
+    """mix32(mix32(seed) ^ stream * GOLDEN); ``seed_mixed`` is mix32(seed) already."""
+    return _mix32(seed_mixed ^ (stream.to(tl.uint32) * 0x9E3779B9))
+
+
+@triton.jit
+def _uniform(key, index):
+    """rng.uniform for a stream key and int indices: (h >> 8 + 0.5) / 2^24 in (0, 1)."""
+    h = _mix32(key ^ (index.to(tl.uint32) * 0x846CA68B + 1))
+    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
+    """mix32(seed mod 2^32) from a device int64 scalar (no host read) or an int32 arg."""
+    if SEED_PTR:
+        s = tl.load(seed_ptr).to(tl.uint32)
+    else:
+        s = seed.to(tl.uint32, bitcast=True)
+    return _mix32(s)
+
+
+# ----------------------------------------------------------------------------- math
+@triton.jit
+def _log(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
+def _exp(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _log1p(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        w = 1.0 + x
+        d = tl.where(w == 1.0, 1.0, w - 1.0)
+        return tl.where(w == 1.0, x, tl.log(w) * (x / d))
+    else:
+        return libdevice.log1p(x)
+
+
+@triton.jit
+def _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP: tl.constexpr):
+    """(scale, log2(e)/scale, greedy, bad) per row: scale = T, or 1 for greedy rows."""
+    if ROW_TEMP:
+        t = tl.load(temp_ptr + rows, mask=rmask, other=1.0).to(tl.float32)
+    else:
+        t = tl.zeros(rows.shape, tl.float32) + temp
+    greedy = t == 0.0
+    bad = ~(t >= 0.0) | (t == POS_INF)
+    scale = tl.where(greedy | bad, 1.0, t)
+    return scale, LOG2E / scale, greedy, bad
+
+
+@triton.jit
+def _layout(B, G, NC, NCR):
+    """Float32 workspace offsets: p/q partials, row stats, thresholds, race partials, top-k."""
+    R = B * (G + 1)
+    RQ = B * G
+    p_m = 0
+    p_s = R * NC
+    p_i = 2 * R * NC
+    q_m = 3 * R * NC
+    q_s = q_m + RQ * NC
+    rowstat = q_s + RQ * NC
+    thr_p = rowstat + N_ROWSTAT * B
+    thr_q = thr_p + R
+    race = thr_q + RQ
+    cand = race + 4 * B * NCR
+    return p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand
+
+
+# ----------------------------------------------------------------------------- pass 1
+@triton.jit
+def _chunk_stats(ptrs, rmask, v0, V, scale, c2, thr,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr):
+    """Max (NaN/+inf -> +inf marker), sum exp((x - max) / T) and first argmax of one chunk."""
+    m = tl.full([ROWS], NEG_INF, tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    am = tl.zeros([ROWS], tl.int32)
+    for t in tl.static_range(0, CHUNK, BLOCK):
+        offs = v0 + t + tl.arange(0, BLOCK)
+        msk = rmask[:, None] & (offs < V)[None, :]
+        x = tl.load(ptrs[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
+        x = tl.where(x <= FLT_MAX, x, POS_INF)
+        if TOPK:
+            z = tl.math.div_rn(x, scale[:, None])
+            x = tl.where(z < thr[:, None], NEG_INF, x)
+        tm, ti = tl.max(x, 1, return_indices=True)
+        m_new = tl.maximum(m, tm)
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+        e = tl.exp2((x - m_safe[:, None]) * c2[:, None])
+        s = s * tl.exp2((m - m_safe) * c2) + tl.sum(e, 1)
+        am = tl.where(tm > m, ti + (v0 + t), am)
+        m = m_new
+    return m, s, am
+
+
+@triton.jit
+def _store_stats(ws, base_m, base_s, base_i, r, c, NC, rmask, m, s, am, WITH_IDX: tl.constexpr):
+    off = r * NC + c
+    tl.store(ws + base_m + off, m, mask=rmask)
+    tl.store(ws + base_s + off, s, mask=rmask)
+    if WITH_IDX:
+        tl.store(ws + base_i + off, am.to(tl.float32), mask=rmask)
+
+
+@triton.jit
+def _merge_stats(ws, base_m, base_s, base_i, r, NC, rmask, scale, c2,
+                 NC_P2: tl.constexpr, WITH_IDX: tl.constexpr, INTERPRET: tl.constexpr):
+    """Merge chunk partials: (max/T, log sum, first argmax, poisoned?) per row."""
+    cols = tl.arange(0, NC_P2)
+    cm = rmask[:, None] & (cols < NC)[None, :]
+    off = r[:, None] * NC + cols[None, :]
+    m = tl.load(ws + base_m + off, mask=cm, other=NEG_INF, cache_modifier=".cg")
+    s = tl.load(ws + base_s + off, mask=cm, other=0.0, cache_modifier=".cg")
+    M = tl.max(m, 1)
+    bad = ~(M <= FLT_MAX) | (M == NEG_INF)
+    Ms = tl.where(bad, 0.0, M)
+    S = tl.sum(s * tl.exp2((m - Ms[:, None]) * c2[:, None]), 1)
+    am = tl.zeros_like(r)
+    if WITH_IDX:
+        idx = tl.load(ws + base_i + off, mask=cm, other=BIG_IDX, cache_modifier=".cg")
+        am = tl.min(tl.where(m == M[:, None], idx, BIG_IDX), 1).to(tl.int32)
+    S = tl.where(bad, 1.0, S)
+    return tl.math.div_rn(Ms, scale), _log(S, INTERPRET), am, bad
+
+
+@triton.jit
+def _token_logprob(ptr_rows, x, scale, thr, Mz, logS, rmask, TOPK: tl.constexpr):
+    """log-softmax value at token x: (x/T - max/T) - log S, -inf if top-k masks it."""
+    xv = tl.load(ptr_rows + x, mask=rmask, other=0.0).to(tl.float32)
+    z = tl.math.div_rn(xv, scale)
+    if TOPK:
+        z = tl.where(z < thr, NEG_INF, z)
+    return (z - Mz) - logS
+
+
+@triton.jit
+def _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+            seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR,
+            G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+            TOPK: tl.constexpr, ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """Accept tests of one row group; writes accepted drafts, greedy fixes, n_accepted, j*."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    rows = g * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    scale, c2, greedy, bad = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
+    seed_m = _load_seed(seed_ptr, seed, SEED_PTR)
+    alive = rmask
+    n = tl.zeros([ROWS], tl.int32)
+    jstar = tl.full([ROWS], G, tl.int32)
+    st = tl.zeros([ROWS], tl.float32)
+    smp, slp, smq, slq, sam = st, st, st, st, n
+    for j in tl.static_range(0, G + 1):
+        r = rows * (G + 1) + j
+        mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, r, NC, rmask, scale, c2,
+                                          NC_P2, True, INTERPRET)
+        bad = bad | badp
+        if j < G:
+            x = tl.load(tok + rows64 * k_sb + j * k_sj, mask=rmask, other=0).to(tl.int32)
+            bad = bad | (x < 0) | (x >= V)
+            x = tl.where((x >= 0) & (x < V), x, 0)
+            thp = 0.0
+            if TOPK:
+                thp = tl.load(ws + thr_p + r, mask=rmask, other=NEG_INF)
+            lp = _token_logprob(tgt + rows64 * t_sb + j * t_sj, x, scale, thp, mp, lsp, rmask,
+                                TOPK)
+            mq = st
+            lsq = st
+            lq = st
+            if HAS_Q:
+                rq = rows * G + j
+                mq, lsq, _unused, badq = _merge_stats(ws, q_m, q_s, p_i, rq, NC, rmask, scale,
+                                                      c2, NC_P2, False, INTERPRET)
+                bad = bad | badq
+                thq = 0.0
+                if TOPK:
+                    thq = tl.load(ws + thr_q + rq, mask=rmask, other=NEG_INF)
+                lq = _token_logprob(drf + rows64 * d_sb + j * d_sj, x, scale, thq, mq, lsq,
+                                    rmask, TOPK)
+            u = _uniform(_stream_key(seed_m, r), tl.zeros([ROWS], tl.int32) + V)
+            ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
+            ok = tl.where(greedy, x == amp, ok_s)
+            stop = alive & ~ok
+            jstar = tl.where(stop, j, jstar)
+            smq = tl.where(stop, mq, smq)
+            slq = tl.where(stop, lsq, slq)
+        else:
+            stop = alive
+        smp = tl.where(stop, mp, smp)
+        slp = tl.where(stop, lsp, slp)
+        sam = tl.where(stop, amp, sam)
+        if j < G:
+            alive = alive & ok
+            n = n + alive.to(tl.int32)
+    _write_rows(tok, k_sb, k_sj, rows64, rmask, out, o_sb, nacc, n, greedy, bad, sam, G)
+    need = rmask & ~greedy & ~bad
+    base = ws + rowstat + rows * N_ROWSTAT
+    tl.store(base, tl.where(need, jstar, -1).to(tl.float32), mask=rmask)
+    tl.store(base + 1, smp, mask=rmask)
+    tl.store(base + 2, slp, mask=rmask)
+    tl.store(base + 3, smq, mask=rmask)
+    tl.store(base + 4, slq, mask=rmask)
+
+
+@triton.jit
+def _write_rows(tok, k_sb, k_sj, rows64, rmask, out, o_sb, nacc, n, greedy, bad, fix,
+                G: tl.constexpr):
+    """out[b, j]: draft if j < n, greedy fix (or -1 placeholder) at n, -1 after; poison -> -1."""
+    for j in tl.static_range(0, G + 1):
+        if j < G:
+            x = tl.load(tok + rows64 * k_sb + j * k_sj, mask=rmask, other=0)
+        else:
+            x = tl.zeros(rows64.shape, tl.int64)
+        v = tl.where(j < n, x.to(tl.int64), tl.where((j == n) & greedy, fix.to(tl.int64), -1))
+        tl.store(out + rows64 * o_sb + j, tl.where(bad, -1, v), mask=rmask)
+    tl.store(nacc + rows64, tl.where(bad, -1, n).to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
+    if TOPK:
+        return tl.load(ws + base + r, mask=rmask, other=NEG_INF)
+    else:
+        return tl.zeros(r.shape, tl.float32)
+
+
+@triton.jit
+def stats_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+                 seed_ptr, seed, ws, cnt, out, o_sb, nacc, B, V, NC, NCR,
+                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                 ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr, FUSED: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Pass 1 over chunk c of position j for a group of ROWS rows; the last program decides."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    j = tl.program_id(2)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    rows = g * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
+    r = rows * (G + 1) + j
+    thr = _load_thr(ws, thr_p, r, rmask, TOPK)
+    m, s, am = _chunk_stats(tgt + rows64 * t_sb + j * t_sj, rmask, c * CHUNK, V, scale, c2, thr,
+                            ROWS, CHUNK, BLOCK, TOPK)
+    _store_stats(ws, p_m, p_s, p_i, r, c, NC, rmask, m, s, am, True)
+    if HAS_Q:
+        if j < G:
+            rq = rows * G + j
+            thq = _load_thr(ws, thr_q, rq, rmask, TOPK)
+            m, s, am = _chunk_stats(drf + rows64 * d_sb + j * d_sj, rmask, c * CHUNK, V, scale,
+                                    c2, thq, ROWS, CHUNK, BLOCK, TOPK)
+            _store_stats(ws, q_m, q_s, p_i, rq, c, NC, rmask, m, s, am, False)
+    if FUSED:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+        if done == NC * (G + 1) - 1:
+            _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+                    seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR, G, ROWS, NC_P2, HAS_Q, TOPK,
+                    ROW_TEMP, SEED_PTR, INTERPRET)
+            tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def decide_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+                  seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR,
+                  G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                  TOPK: tl.constexpr, ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Unfused decide step: one program per row group."""
+    _decide(tl.program_id(0), tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+            seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR, G, ROWS, NC_P2, HAS_Q, TOPK, ROW_TEMP,
+            SEED_PTR, INTERPRET)
+
+
+# ----------------------------------------------------------------------------- pass 2
+@triton.jit
+def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp, thq,
+               key, HAS_Q: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Race keys of one tile: (log max(0, p - q) or log p) - log E, and log p - log E."""
+    x = tl.load(tgt_rows[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
+    z = tl.math.div_rn(x, scale[:, None])
+    if TOPK:
+        z = tl.where(z < thp[:, None], NEG_INF, z)
+    logp = (z - Mp[:, None]) - lSp[:, None]
+    if HAS_Q:
+        y = tl.load(drf_rows[:, None] + offs[None, :], mask=msk & is_res[:, None],
+                    other=NEG_INF).to(tl.float32)
+        zq = tl.math.div_rn(y, scale[:, None])
+        if TOPK:
+            zq = tl.where(zq < thq[:, None], NEG_INF, zq)
+        logq = (zq - Mq[:, None]) - lSq[:, None]
+    else:
+        logq = tl.where(offs[None, :] == xtok[:, None], 0.0, NEG_INF)
+    gap = logq - logp
+    res = logp + _log1p(-_exp(tl.minimum(gap, 0.0), INTERPRET), INTERPRET)
+    res = tl.where(gap < 0.0, res, NEG_INF)
+    logw = tl.where(is_res[:, None], res, logp)
+    u = _uniform(key[:, None], offs[None, :])
+    lg = _log(-_log(u, INTERPRET), INTERPRET)
+    return logw - lg, logp - lg
+
+
+@triton.jit
+def _best(best, bidx, k, base):
+    """Running (max, first argmax) update with one tile's keys."""
+    tb, ti = tl.max(k, 1, return_indices=True)
+    upd = tb > best
+    return tl.where(upd, tb, best), tl.where(upd, ti + base, bidx)
+
+
+@triton.jit
+def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
+                seed_ptr, seed, ws, cnt, out, o_sb, B, V, NC, NCR,
+                G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                NCR_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr, FUSED: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Pass 2: chunk c of the exponential race at position j* of each stochastic row."""
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    rows = g * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
+    rows64 = rows.to(tl.int64)
+    base = ws + rowstat + rows * N_ROWSTAT
+    jf = tl.load(base, mask=rmask, other=-1.0)
+    need = rmask & (jf >= 0.0)
+    if tl.max(need.to(tl.int32), 0) > 0:
+        j = tl.where(need, jf, 0.0).to(tl.int32)
+        is_res = j < G
+        jq = tl.where(is_res, j, 0)
+        scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
+        Mp = tl.load(base + 1, mask=need, other=0.0)
+        lSp = tl.load(base + 2, mask=need, other=0.0)
+        Mq = tl.load(base + 3, mask=need, other=0.0)
+        lSq = tl.load(base + 4, mask=need, other=0.0)
+        thp = _load_thr(ws, thr_p, rows * (G + 1) + j, need, TOPK)
+        thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
+        xtok = tl.load(tok + rows64 * k_sb + jq * k_sj, mask=need & is_res, other=-1)
+        key = _stream_key(_load_seed(seed_ptr, seed, SEED_PTR), rows * (G + 1) + j)
+        tgt_rows = tgt + rows64 * t_sb + j * t_sj
+        drf_rows = drf + rows64 * d_sb + jq * d_sj
+        best = tl.full([ROWS], NEG_INF, tl.float32)
+        fb = tl.full([ROWS], NEG_INF, tl.float32)
+        bidx = tl.zeros([ROWS], tl.int32)
+        fidx = tl.zeros([ROWS], tl.int32)
+        for t in tl.static_range(0, CHUNK, BLOCK):
+            offs = c * CHUNK + t + tl.arange(0, BLOCK)
+            msk = need[:, None] & (offs < V)[None, :]
+            k1, k2 = _race_tile(tgt_rows, drf_rows, xtok.to(tl.int32), offs, msk, is_res, scale,
+                                Mp, lSp, Mq, lSq, thp, thq, key, HAS_Q, TOPK, INTERPRET)
+            best, bidx = _best(best, bidx, k1, c * CHUNK + t)
+            fb, fidx = _best(fb, fidx, k2, c * CHUNK + t)
+        off = rows * NCR + c
+        tl.store(ws + race + off, best, mask=need)
+        tl.store(ws + race + B * NCR + off, bidx.to(tl.float32), mask=need)
+        tl.store(ws + race + 2 * B * NCR + off, fb, mask=need)
+        tl.store(ws + race + 3 * B * NCR + off, fidx.to(tl.float32), mask=need)
+    if FUSED:
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+        if done == NCR - 1:
+            _finish(g, ws, out, o_sb, B, NC, NCR, G, ROWS, NCR_P2)
+            tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _argbest(ws, base_k, base_i, rows, need, NC, NC_P2: tl.constexpr):
+    """Max over chunk partials and the smallest index attaining it."""
+    cols = tl.arange(0, NC_P2)
+    cm = need[:, None] & (cols < NC)[None, :]
+    off = rows[:, None] * NC + cols[None, :]
+    k = tl.load(ws + base_k + off, mask=cm, other=NEG_INF, cache_modifier=".cg")
+    i = tl.load(ws + base_i + off, mask=cm, other=BIG_IDX, cache_modifier=".cg")
+    K = tl.max(k, 1)
+    return K, tl.min(tl.where(k == K[:, None], i, BIG_IDX), 1)
+
+
+@triton.jit
+def _finish(g, ws, out, o_sb, B, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr,
+            NCR_P2: tl.constexpr):
+    """Winner of the race of each stochastic row (fallback to p when the residual is empty)."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    rows = g * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
+    jf = tl.load(ws + rowstat + rows * N_ROWSTAT, mask=rmask, other=-1.0, cache_modifier=".cg")
+    need = rmask & (jf >= 0.0)
+    K, I = _argbest(ws, race, race + B * NCR, rows, need, NCR, NCR_P2)
+    FK, FI = _argbest(ws, race + 2 * B * NCR, race + 3 * B * NCR, rows, need, NCR, NCR_P2)
+    winner = tl.where(K > NEG_INF, I, FI).to(tl.int64)
+    j = tl.where(need, jf, 0.0).to(tl.int64)
+    tl.store(out + rows.to(tl.int64) * o_sb + j, winner, mask=need)
+
+
+@triton.jit
+def finish_kernel(ws, out, o_sb, B, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr,
+                  NCR_P2: tl.constexpr):
+    """Unfused race winner: one program per row group."""
+    _finish(tl.program_id(0), ws, out, o_sb, B, NC, NCR, G, ROWS, NCR_P2)
+
+
+# ----------------------------------------------------------------------------- top-k
+@triton.jit
+def _order_key(z):
+    """Order-preserving int32 key of a float32 (NaN excluded): flip the low bits of negatives."""
+    i = z.to(tl.int32, bitcast=True)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _kth_largest_key(keys, k):
+    """Per row, the k-th largest key counting duplicates: bisection over the int32 range."""
+    keys = keys.to(tl.int64)
+    lo = tl.full([keys.shape[0]], -2147483648, tl.int64)
+    hi = tl.full([keys.shape[0]], 2147483648, tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        ge = tl.sum((keys >= mid[:, None]).to(tl.int32), 1) >= k
+        lo = tl.where(ge, mid, lo)
+        hi = tl.where(ge, hi, mid)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCR, NCT,
+                     G: tl.constexpr, IS_Q: tl.constexpr, KP2: tl.constexpr,
+                     BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_TEMP: tl.constexpr):
+    """The KP2 largest values of x/T in one vocabulary tile (ties cut at KP2), per row-position.
+
+    The union over tiles of these candidates has the same k-th largest value as the row.
+    """
+    c = tl.program_id(0)
+    g = tl.program_id(1)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    NPOS: tl.constexpr = G if IS_Q else G + 1
+    first = B * (G + 1) if IS_Q else 0
+    r = g * ROWS + tl.arange(0, ROWS)
+    rmask = r < B * NPOS
+    b = r // NPOS
+    scale, c2, greedy, badt = _row_temps(temp_ptr, temp, b, rmask, ROW_TEMP)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    ptrs = src + b.to(tl.int64) * s_sb + (r % NPOS) * s_sj
+    x = tl.load(ptrs[:, None] + offs[None, :], mask=rmask[:, None] & (offs < V)[None, :],
+                other=NEG_INF).to(tl.float32)
+    x = tl.where(x <= FLT_MAX, x, NEG_INF)
+    z = tl.math.div_rn(x, scale[:, None])
+    key = _order_key(z)
+    kth = _kth_largest_key(key, KP2)
+    gt = key > kth[:, None]
+    eq = key == kth[:, None]
+    pos = tl.where(gt, tl.cumsum(gt.to(tl.int32), 1),
+                   tl.sum(gt.to(tl.int32), 1)[:, None] + tl.cumsum(eq.to(tl.int32), 1)) - 1
+    keep = rmask[:, None] & (gt | eq) & (pos < KP2)
+    dst = ws + cand + (first + r[:, None]) * (NCT * KP2) + c * KP2
+    tl.store(dst + pos, z, mask=keep)
+
+
+@triton.jit
+def topk_thr_kernel(ws, B, NC, NCR, NCT, K,
+                    G: tl.constexpr, IS_Q: tl.constexpr, KP2: tl.constexpr, NT_P2: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """k-th largest of the per-tile candidates: the top-k threshold of each row-position."""
+    g = tl.program_id(0)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    NPOS: tl.constexpr = G if IS_Q else G + 1
+    first = B * (G + 1) if IS_Q else 0
+    r = g * ROWS + tl.arange(0, ROWS)
+    rmask = r < B * NPOS
+    cols = tl.arange(0, NT_P2)
+    src = ws + cand + (first + r[:, None]) * (NCT * KP2) + cols[None, :]
+    v = tl.load(src, mask=rmask[:, None] & (cols < NCT * KP2)[None, :], other=NEG_INF)
+    kth = _kth_largest_key(_order_key(v), K)
+    thr = (kth ^ ((kth >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    dst = thr_q if IS_Q else thr_p
+    tl.store(ws + dst + r, thr, mask=rmask)
