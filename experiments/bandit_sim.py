@@ -119,6 +119,12 @@ def _record(scn: Scenario, label: str, pcfg: dict, res: SimResult, n_points: int
                   "std": [_r(x) for x in curve.std(axis=0, ddof=1)]},
         "wall_s": round(wall, 3),
     }
+    cps = scn.spec["change_points"]
+    if cps:  # regret accrued inside each stationary segment (adaptation after each change)
+        edges = [0, *cps, horizon]
+        ends = res.regret[:, [e - 1 for e in edges[1:]]]
+        seg = np.diff(np.concatenate([np.zeros((len(final), 1)), ends], axis=1), axis=1)
+        rec["segment_regret_mean"] = [_r(x) for x in seg.mean(axis=0)]
     rec.update(_bounds(scn, ts))
     if rec.get("ucb1_bound") is not None:
         rec["below_ucb1_bound"] = bool(rec["final_regret_mean"] < rec["ucb1_bound"])

@@ -200,7 +200,14 @@ def test_run_py_bandit_sim_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in (out / "bandit_sim.jsonl").read_text().splitlines()]
     regret = [r for r in recs if r["kind"] == "regret"]
-    assert {r["scenario"] for r in regret} == {"paper", "beta_k5", "change_points", "domains"}
+    scenarios = OmegaConf.load(ROOT / "conf" / "experiment" / "bandit_sim.yaml").scenarios
+    assert {r["scenario"] for r in regret} == set(scenarios)
+    for r in regret:
+        fracs = scenarios[r["scenario"]].get("change_fractions")
+        if fracs:
+            assert len(r["segment_regret_mean"]) == len(fracs) + 1
+        else:
+            assert "segment_regret_mean" not in r
     assert all(r["n_seeds"] >= 2 and r["provenance"]["config"]["smoke"] for r in regret)
     paper = [r for r in recs if r["kind"] == "paper_comparison"]
     assert len(paper) == 1 and paper[0]["paper"]["ucb1"] == 100.2

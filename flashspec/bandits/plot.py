@@ -51,6 +51,8 @@ def _panel(ax: Any, scenario: str, runs: list[dict[str, Any]]) -> None:
         ax.plot(bound["t"], bound["value"], "k--", lw=1.2,
                 label=f"UCB1 bound  {first['ucb1_bound']:.1f}" + ("" if shown else " (above the axis)"))
         top = max(top, first["ucb1_bound"]) if shown else top
+    for cp in first["scenario_spec"].get("change_points") or ():
+        ax.axvline(cp, color="k", ls=":", lw=0.8)
     ax.set_ylim(0, 1.1 * top)
     ax.set_xlim(0, first["horizon"])
     ax.set_title(f"{scenario}: {first['title']}", fontsize=9)
