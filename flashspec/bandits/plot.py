@@ -27,7 +27,7 @@ def plot_regret(records: Iterable[dict[str, Any]], path: str | Path | None = Non
         ax.set_visible(False)
     fig.tight_layout()
     if path is not None:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=90)
     return fig
 
 
