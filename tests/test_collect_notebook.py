@@ -15,7 +15,7 @@ from flashspec.records import RecordWriter, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "decode_results.ipynb"
-DATASETS = ("humaneval", "mtbench")
+DATASETS = ("humaneval", "gsm8k")
 SCHEMA = ["experiment", "method", "dataset", "prompt_id", "domain", "turn", "n_prompt_tokens",
           "n_new_tokens", "wall_s", "decode_s", "tps", "decode_tps", "steps", "n_proposed",
           "n_accepted", "alpha", "tau", "accept_hist", "arms", "gamma", "batch_size",
@@ -34,10 +34,11 @@ collect = _script("collect")
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    """A real two-job smoke decode sweep (humaneval, mtbench) run through run.py."""
+    """A real two-job smoke decode sweep (ar vs speculative, humaneval and gsm8k) via run.py."""
     _script("prepare_data").prepare(cache_dir())
     out = tmp_path_factory.mktemp("decode") / "sweep"
     cmd = [sys.executable, "run.py", "-m", "experiment=decode", "smoke=true", "logger=disabled",
+           "experiment.methods=[ar,spec]", "experiment.warmup=false",
            f"dataset={','.join(DATASETS)}", f"hydra.sweep.dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"smoke decode sweep failed:\n{proc.stderr[-3000:]}"
