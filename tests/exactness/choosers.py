@@ -1,0 +1,57 @@
+"""Drafter choosers for the bandit gate: one independent bandit per row, reading only past
+steps' acceptance (``PolicyChooser``), and a planted cheat that peeks at the current draft and
+target (``PeekingDrafter``), which exactness forbids."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flashspec.bandits import make_policy
+from flashspec.verify.sampling import SamplingParams, warp_logprobs
+
+
+class PolicyChooser:
+    """``make_policy(name, K, seed=[...])`` with one replicate per row; reward α = accepted/γ.
+
+    Rewards of a step are collected per arm group and fed back (``update_many``) before the
+    next selection; rows that finished get NaN (unobserved).
+    """
+
+    def __init__(self, name: str, n_arms: int, n_rows: int, seed: int = 0) -> None:
+        self.policy = make_policy(name, n_arms, seed=list(range(seed, seed + n_rows)))
+        self.pending_arms = np.zeros(n_rows, dtype=np.int64)
+        self.pending = np.full(n_rows, np.nan)
+        self.history: list[np.ndarray] = []
+
+    def select(self, rows: torch.Tensor) -> torch.Tensor:
+        if not np.isnan(self.pending).all():
+            self.policy.update_many(self.pending_arms, self.pending)
+        self.pending[:] = np.nan
+        arms = self.policy.select_many()
+        self.history.append(arms[rows.numpy()])
+        return torch.from_numpy(arms)[rows]
+
+    def update(self, rows: torch.Tensor, arm: int, n_accepted: torch.Tensor, gamma: int) -> None:
+        r = rows.numpy()
+        self.pending_arms[r] = arm
+        self.pending[r] = n_accepted.numpy() / gamma
+
+
+class PeekingDrafter:
+    """PLANTED BUG: per row, proposes from whichever inner drafter's first draft token has the
+    highest current target probability (it reads this step's drafts and target), then hands
+    verify that drafter's q, as if the choice had been made blind."""
+
+    def __init__(self, inner: list, target: torch.Tensor) -> None:
+        if len({d.gamma for d in inner}) != 1:
+            raise ValueError("inner drafters must share γ")
+        self.inner, self.target, self.gamma = inner, target, inner[0].gamma
+
+    def propose(self, pos: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+        logp = warp_logprobs(self.target, params)
+        props = [d.propose(pos, params, gen) for d in self.inner]
+        score = torch.stack([logp[pos[:, 0], tok[:, 0]] for tok, _ in props], dim=1)
+        best = score.argmax(dim=1)
+        tokens = torch.stack([tok for tok, _ in props])[best, torch.arange(len(best))]
+        logits = torch.stack([q for _, q in props])[best, torch.arange(len(best))]
+        return tokens, logits
