@@ -182,7 +182,7 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     kp2 = _next_pow2(params.top_k) if topk else 1
     nct = -(-vocab // max(p.block, kp2)) if topk else 0
     rows_pq = batch * (gamma + 1) + batch * gamma
-    size = (rows_pq * (3 * nc + 1) + batch * (K.N_ROWSTAT + 4 * ncr) + rows_pq * nct * kp2)
+    size = (rows_pq * (3 * nc + 1) + batch * (int(K.N_ROWSTAT.value) + 4 * ncr) + rows_pq * nct * kp2)
     ws = torch.empty(size, dtype=torch.float32, device=device)
     cnt = _counters(device, "stats", n_groups) if fused else ws
     cnt_r = _counters(device, "race", n_groups) if fused else ws

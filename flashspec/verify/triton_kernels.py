@@ -20,35 +20,51 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-NEG_INF = float("-inf")
-POS_INF = float("inf")
-FLT_MAX = 3.4028234663852886e38
-LOG2E = 1.4426950408889634
-BIG_IDX = 2**30
-N_ROWSTAT = 5          # jstar, Mz_p, logS_p, Mz_q, logS_q per row
+NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+BIG_IDX = tl.constexpr(2**30)
+N_ROWSTAT = tl.constexpr(5)          # jstar, Mz_p, logS_p, Mz_q, logS_q per row
 
 
 # ----------------------------------------------------------------------------- rng
 @triton.jit
-def _mix32(x):
-    """lowbias32 on uint32 (wrapping multiplies, logical shifts)."""
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
+def _mix32(x, WIDE: tl.constexpr):
+    """lowbias32: uint32 wrapping arithmetic, or uint64 masked to 32 bits when WIDE.
+
+    WIDE is used under the interpreter, whose overflow sanitiser costs several array passes
+    per 32-bit multiply; both forms give the same bits.
+    """
+    if WIDE:
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+    else:
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
 @triton.jit
-def _stream_key(seed_mixed, stream):
+def _stream_key(seed_mixed, stream, WIDE: tl.constexpr):
     """mix32(mix32(seed) ^ stream * GOLDEN); ``seed_mixed`` is mix32(seed) already."""
-    return _mix32(seed_mixed ^ (stream.to(tl.uint32) * 0x9E3779B9))
+    if WIDE:
+        k = seed_mixed.to(tl.uint64) ^ ((stream.to(tl.uint64) * 0x9E3779B9) & 0xFFFFFFFF)
+    else:
+        k = seed_mixed ^ (stream.to(tl.uint32) * 0x9E3779B9)
+    return _mix32(k, WIDE)
 
 
 @triton.jit
-def _uniform(key, index):
+def _uniform(key, index, WIDE: tl.constexpr):
     """rng.uniform for a stream key and int indices: (h >> 8 + 0.5) / 2^24 in (0, 1)."""
-    h = _mix32(key ^ (index.to(tl.uint32) * 0x846CA68B + 1))
+    if WIDE:
+        h = _mix32(key ^ ((index.to(tl.uint64) * 0x846CA68B + 1) & 0xFFFFFFFF), WIDE)
+    else:
+        h = _mix32(key ^ (index.to(tl.uint32) * 0x846CA68B + 1), WIDE)
     return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
@@ -59,7 +75,7 @@ def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
         s = tl.load(seed_ptr).to(tl.uint32)
     else:
         s = seed.to(tl.uint32, bitcast=True)
-    return _mix32(s)
+    return _mix32(s, False)
 
 
 # ----------------------------------------------------------------------------- math
@@ -99,7 +115,7 @@ def _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP: tl.constexpr):
     greedy = t == 0.0
     bad = ~(t >= 0.0) | (t == POS_INF)
     scale = tl.where(greedy | bad, 1.0, t)
-    return scale, LOG2E / scale, greedy, bad
+    return scale, 1.4426950408889634 / scale, greedy, bad
 
 
 @triton.jit
@@ -122,9 +138,9 @@ def _layout(B, G, NC, NCR):
 
 # ----------------------------------------------------------------------------- pass 1
 @triton.jit
-def _chunk_stats(ptrs, rmask, v0, V, scale, c2, thr,
-                 ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr):
-    """Max (NaN/+inf -> +inf marker), sum exp((x - max) / T) and first argmax of one chunk."""
+def _chunk_stats(ptrs, rmask, v0, V, scale, c2, thr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, TOPK: tl.constexpr, WITH_IDX: tl.constexpr):
+    """Max, sum exp((x - max) / T) and first argmax of one chunk (NaN/+inf make s NaN)."""
     m = tl.full([ROWS], NEG_INF, tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     am = tl.zeros([ROWS], tl.int32)
@@ -132,16 +148,18 @@ def _chunk_stats(ptrs, rmask, v0, V, scale, c2, thr,
         offs = v0 + t + tl.arange(0, BLOCK)
         msk = rmask[:, None] & (offs < V)[None, :]
         x = tl.load(ptrs[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
-        x = tl.where(x <= FLT_MAX, x, POS_INF)
         if TOPK:
             z = tl.math.div_rn(x, scale[:, None])
             x = tl.where(z < thr[:, None], NEG_INF, x)
-        tm, ti = tl.max(x, 1, return_indices=True)
+        if WITH_IDX:
+            tm, ti = tl.max(x, 1, return_indices=True)
+            am = tl.where(tm > m, ti + (v0 + t), am)
+        else:
+            tm = tl.max(x, 1)
         m_new = tl.maximum(m, tm)
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
         e = tl.exp2((x - m_safe[:, None]) * c2[:, None])
         s = s * tl.exp2((m - m_safe) * c2) + tl.sum(e, 1)
-        am = tl.where(tm > m, ti + (v0 + t), am)
         m = m_new
     return m, s, am
 
@@ -172,8 +190,10 @@ def _merge_stats(ws, base_m, base_s, base_i, r, NC, rmask, scale, c2,
     if WITH_IDX:
         idx = tl.load(ws + base_i + off, mask=cm, other=BIG_IDX, cache_modifier=".cg")
         am = tl.min(tl.where(m == M[:, None], idx, BIG_IDX), 1).to(tl.int32)
+    Mz = tl.math.div_rn(Ms, scale)
+    bad = bad | (S != S) | ~(Mz <= FLT_MAX)          # NaN/+inf logits, or x/T overflows
     S = tl.where(bad, 1.0, S)
-    return tl.math.div_rn(Ms, scale), _log(S, INTERPRET), am, bad
+    return Mz, _log(S, INTERPRET), am, bad
 
 
 @triton.jit
@@ -231,7 +251,8 @@ def _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp
                     thq = tl.load(ws + thr_q + rq, mask=rmask, other=NEG_INF)
                 lq = _token_logprob(drf + rows64 * d_sb + j * d_sj, x, scale, thq, mq, lsq,
                                     rmask, TOPK)
-            u = _uniform(_stream_key(seed_m, r), tl.zeros([ROWS], tl.int32) + V)
+            u = _uniform(_stream_key(seed_m, r, INTERPRET), tl.zeros([ROWS], tl.int32) + V,
+                         INTERPRET)
             ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
             ok = tl.where(greedy, x == amp, ok_s)
             stop = alive & ~ok
@@ -297,14 +318,14 @@ def stats_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, te
     r = rows * (G + 1) + j
     thr = _load_thr(ws, thr_p, r, rmask, TOPK)
     m, s, am = _chunk_stats(tgt + rows64 * t_sb + j * t_sj, rmask, c * CHUNK, V, scale, c2, thr,
-                            ROWS, CHUNK, BLOCK, TOPK)
+                            ROWS, CHUNK, BLOCK, TOPK, True)
     _store_stats(ws, p_m, p_s, p_i, r, c, NC, rmask, m, s, am, True)
     if HAS_Q:
         if j < G:
             rq = rows * G + j
             thq = _load_thr(ws, thr_q, rq, rmask, TOPK)
             m, s, am = _chunk_stats(drf + rows64 * d_sb + j * d_sj, rmask, c * CHUNK, V, scale,
-                                    c2, thq, ROWS, CHUNK, BLOCK, TOPK)
+                                    c2, thq, ROWS, CHUNK, BLOCK, TOPK, False)
             _store_stats(ws, q_m, q_s, p_i, rq, c, NC, rmask, m, s, am, False)
     if FUSED:
         tl.debug_barrier()
@@ -351,7 +372,7 @@ def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, 
     res = logp + _log1p(-_exp(tl.minimum(gap, 0.0), INTERPRET), INTERPRET)
     res = tl.where(gap < 0.0, res, NEG_INF)
     logw = tl.where(is_res[:, None], res, logp)
-    u = _uniform(key[:, None], offs[None, :])
+    u = _uniform(key[:, None], offs[None, :], INTERPRET)
     lg = _log(-_log(u, INTERPRET), INTERPRET)
     return logw - lg, logp - lg
 
@@ -393,7 +414,7 @@ def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, tem
         thp = _load_thr(ws, thr_p, rows * (G + 1) + j, need, TOPK)
         thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
         xtok = tl.load(tok + rows64 * k_sb + jq * k_sj, mask=need & is_res, other=-1)
-        key = _stream_key(_load_seed(seed_ptr, seed, SEED_PTR), rows * (G + 1) + j)
+        key = _stream_key(_load_seed(seed_ptr, seed, SEED_PTR), rows * (G + 1) + j, INTERPRET)
         tgt_rows = tgt + rows64 * t_sb + j * t_sj
         drf_rows = drf + rows64 * d_sb + jq * d_sj
         best = tl.full([ROWS], NEG_INF, tl.float32)

@@ -1,0 +1,240 @@
+"""Fused Triton verify vs the PyTorch reference, on CPU under TRITON_INTERPRET=1.
+
+Same seed -> identical tokens and counts. Inputs are drawn by Hypothesis (shapes, temperature,
+dtype, scale, masks, top-k, seed kinds) from a seeded torch generator, so shrinking stays cheap.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported anywhere
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from flashspec.verify import SamplingParams, get_backend, reference, rng
+from flashspec.verify import triton_backend as tb
+from flashspec.verify import triton_kernels as K
+
+import triton
+import triton.language as tl
+
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+np.seterr(all="ignore")          # log(0) = -inf etc. inside the interpreter is intended
+CPU = torch.device("cpu")
+TEMPS = [0.0, 0.5, 1.0, 1.7]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_runs_in_interpreter():
+    """Guard: if triton was imported before TRITON_INTERPRET=1, every CPU call would fall back
+    to the reference and the comparisons below would compare the reference with itself."""
+    assert tb.INTERPRET, "flashspec.verify.triton_kernels was imported without TRITON_INTERPRET=1"
+
+
+def make_case(gen: torch.Generator, batch: int, gamma: int, vocab: int, temp: float,
+              full_q: bool, dtype: torch.dtype, scale: float, neg_inf: float,
+              zero_p_draft: bool):
+    """Target/draft logits and draft tokens sampled (mostly) from the draft distribution."""
+    x = torch.randn(batch, gamma + 1, vocab, generator=gen) * scale
+    if neg_inf > 0:
+        x[torch.rand(x.shape, generator=gen) < neg_inf] = float("-inf")
+        x[..., 0] = 0.0                                  # every row keeps some mass
+    q = None
+    if full_q:
+        q = x[:, :gamma] + torch.randn(batch, gamma, vocab, generator=gen) * scale * 0.5
+        q = torch.where(torch.isneginf(q) & (torch.rand(q.shape, generator=gen) < 0.5),
+                        torch.zeros_like(q), q)
+    src = (q if full_q else x[:, :gamma]) / max(temp, 0.3)
+    probs = torch.softmax(torch.nan_to_num(src, neginf=-1e30), -1).reshape(-1, vocab)
+    drafts = torch.multinomial(probs, 1, generator=gen).reshape(batch, gamma)
+    drafts[:, 0] = torch.where(torch.rand(batch, generator=gen) < 0.3,
+                               torch.randint(0, vocab, (batch,), generator=gen), drafts[:, 0])
+    if zero_p_draft:                                     # a draft token the target gives p = 0
+        x[0, 0, drafts[0, 0]] = float("-inf")
+        x[0, 0, (drafts[0, 0] + 1) % vocab] = 0.0
+    return x.to(dtype), drafts, None if q is None else q.to(dtype)
+
+
+def assert_same(x, drafts, q, params, seed, temperature=None, fused=None):
+    ref_out, ref_n = reference.verify(x, drafts, q, params, seed, temperature=temperature)
+    if fused is None:
+        out, n = tb.verify(x, drafts, q, params, seed, temperature=temperature)
+    else:
+        out, n = tb.launch(x, drafts, q, params, seed, temperature=temperature, fused=fused)
+    bad = (ref_out != out).any(1).nonzero().flatten().tolist()
+    assert torch.equal(ref_n, n) and not bad, (
+        f"rows {bad}: ref n={ref_n[bad].tolist()} out={ref_out[bad].tolist()} | "
+        f"triton n={n[bad].tolist()} out={out[bad].tolist()}")
+    assert out.dtype == ref_out.dtype and n.dtype == ref_n.dtype
+    return ref_n
+
+
+@settings(max_examples=int(os.environ.get("FLASHSPEC_TRITON_EXAMPLES", 80)), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 64), gamma=st.integers(1, 8), vocab=st.integers(2, 700),
+       temp=st.sampled_from(TEMPS), full_q=st.booleans(), dtype=st.sampled_from(DTYPES),
+       scale=st.sampled_from([0.1, 1.0, 4.0, 30.0]), neg_inf=st.sampled_from([0.0, 0.0, 0.4]),
+       top_k=st.sampled_from([0, 0, 0, 1, 7, 40]), row_temp=st.booleans(),
+       zero_p=st.booleans(), seed=st.integers(-2**40, 2**40), seed_tensor=st.booleans(),
+       data_seed=st.integers(0, 2**31 - 1))
+def test_matches_reference(batch, gamma, vocab, temp, full_q, dtype, scale, neg_inf, top_k,
+                           row_temp, zero_p, seed, seed_tensor, data_seed):
+    gen = torch.Generator().manual_seed(data_seed)
+    x, drafts, q = make_case(gen, batch, gamma, vocab, temp, full_q, dtype, scale, neg_inf,
+                             zero_p)
+    temps = None
+    if row_temp:
+        temps = torch.tensor(TEMPS, dtype=torch.float64)[torch.randint(0, 4, (batch,),
+                                                                        generator=gen)]
+    s = torch.tensor(seed, dtype=torch.int64) if seed_tensor else seed
+    assert_same(x, drafts, q, SamplingParams(temperature=temp, top_k=top_k), s, temps)
+
+
+@pytest.mark.parametrize("vocab,full_q,temp,top_k", [
+    (32000, True, 1.0, 0), (32771, False, 0.5, 0), (50257, True, 1.7, 20), (32000, True, 0.0, 0),
+])
+def test_large_vocab(vocab, full_q, temp, top_k):
+    gen = torch.Generator().manual_seed(vocab)
+    x, drafts, q = make_case(gen, 3, 2, vocab, temp, full_q, torch.bfloat16, 3.0, 0.0, False)
+    assert_same(x, drafts, q, SamplingParams(temperature=temp, top_k=top_k), 12345)
+
+
+def test_many_rows_accept_and_reject():
+    """Enough rows that accepts, rejections and bonus tokens all occur, with identical counts."""
+    gen = torch.Generator().manual_seed(7)
+    x, drafts, q = make_case(gen, 64, 4, 257, 1.0, True, torch.float32, 1.0, 0.0, False)
+    n = assert_same(x, drafts, q, SamplingParams(temperature=1.0), 99)
+    assert (n == 0).any() and (n == 4).any() and ((n > 0) & (n < 4)).any()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_separate_merges_agree(fused):
+    gen = torch.Generator().manual_seed(3)
+    x, drafts, q = make_case(gen, 9, 3, 300, 1.0, True, torch.bfloat16, 2.0, 0.2, False)
+    assert_same(x, drafts, q, SamplingParams(temperature=1.0, top_k=5), 5, fused=fused)
+
+
+def test_small_gpu_geometry_in_interpreter():
+    """The GPU plan (one row per program, several chunks and tiles) gives the same answers."""
+    gen = torch.Generator().manual_seed(11)
+    x, drafts, q = make_case(gen, 3, 2, 3000, 1.0, True, torch.bfloat16, 3.0, 0.1, False)
+    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=512, rblock=256, warps=4, rwarps=4)
+    for params in (SamplingParams(1.0), SamplingParams(0.0), SamplingParams(1.0, top_k=9)):
+        ref = reference.verify(x, drafts, q, params, 8)
+        got = tb.launch(x, drafts, q, params, 8, geometry=plan)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+def test_extreme_logits():
+    """Huge magnitudes, one-hot targets and -inf everywhere but a few tokens."""
+    x = torch.full((4, 3, 50), float("-inf"))
+    x[0, :, 3] = 0.0                                     # one-hot target
+    x[1, :, :5] = torch.tensor([1e38, -1e38, 1e30, 0.0, -1e30])
+    x[2] = torch.randn(3, 50) * 1e4
+    x[3, :, 7:9] = torch.tensor([1e-30, 0.0])
+    drafts = torch.tensor([[3, 4], [0, 2], [1, 1], [8, 7]])
+    for temp in TEMPS:
+        assert_same(x, drafts, None, SamplingParams(temperature=temp), 1)
+        assert_same(x.bfloat16(), drafts, x[:, :2].flip(-1), SamplingParams(temperature=temp), 2)
+
+
+def test_empty_residual_falls_back_to_p():
+    """q >= p everywhere p > 0 (up to rounding) leaves an empty residual: sample from p."""
+    x = torch.tensor([[[0.0, -200.0], [0.0, 0.0]]])
+    q = torch.tensor([[[0.0, -199.0]]])
+    drafts = torch.tensor([[1]])
+    seen = set()
+    for seed in range(16):
+        n = assert_same(x, drafts, q, SamplingParams(temperature=1.0), seed)
+        out, _ = tb.verify(x, drafts, q, SamplingParams(temperature=1.0), seed)
+        seen.add((int(n), int(out[0, 0])))
+    assert (0, 0) in seen                                # rejected, residual empty -> token 0
+
+
+def test_greedy_is_target_argmax():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 4, 120, generator=gen)
+    drafts = x[:, :3].argmax(-1)
+    drafts[1, 1] = (drafts[1, 1] + 1) % 120
+    out, n = tb.verify(x, drafts, None, SamplingParams(temperature=0.0), 0)
+    assert n.tolist() == [3, 1, 3, 3, 3, 3]
+    assert torch.equal(out[0], x[0].argmax(-1)) and out[1, :2].tolist() == [
+        int(x[1, 0].argmax()), int(x[1, 1].argmax())] and out[1, 2:].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**32 + 5, 2**63 - 1, torch.tensor(77),
+                                  torch.tensor([2**40 + 3])])
+def test_seed_kinds(seed):
+    gen = torch.Generator().manual_seed(1)
+    x, drafts, q = make_case(gen, 5, 3, 90, 1.0, True, torch.float32, 2.0, 0.0, False)
+    assert_same(x, drafts, q, SamplingParams(temperature=1.0), seed)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_rng_port_bit_exact(wide):
+    """The Triton hash (uint32 and uint64 forms) reproduces rng.uniform bit for bit."""
+    @triton.jit
+    def kern(out, seed, WIDE: tl.constexpr, N: tl.constexpr):
+        idx = tl.arange(0, N)
+        key = K._stream_key(K._load_seed(out, seed, False), idx // 64, WIDE)
+        tl.store(out + idx, K._uniform(key, idx * 977 + 3, WIDE))
+
+    for seed in (0, 123456789, -7):
+        got = torch.empty(256)
+        kern[(1,)](got, seed, WIDE=wide, N=256)
+        idx = torch.arange(256)
+        want = rng.uniform(seed, idx // 64, idx * 977 + 3)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad", ["nan", "posinf", "neg_temp", "token"])
+def test_invalid_input_raises_on_cpu_and_poisons_rows(bad):
+    gen = torch.Generator().manual_seed(2)
+    x, drafts, q = make_case(gen, 4, 2, 64, 1.0, True, torch.float32, 1.0, 0.0, False)
+    temps = torch.ones(4)
+    if bad == "nan":
+        x[2, 2, 5] = float("nan")
+    elif bad == "posinf":
+        q[2, 1, 9] = float("inf")
+    elif bad == "neg_temp":
+        temps[2] = -1.0
+    else:
+        drafts[2, 0] = 64
+    with pytest.raises((FloatingPointError, ValueError, RuntimeError, IndexError)):
+        reference.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
+    with pytest.raises(FloatingPointError):
+        tb.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
+    out, n = tb.launch(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
+    assert int(n[2]) == -1 and (out[2] == -1).all()
+    clean = make_case(torch.Generator().manual_seed(2), 4, 2, 64, 1.0, True, torch.float32, 1.0,
+                      0.0, False)                        # the same inputs before the damage
+    ref_out, ref_n = reference.verify(*clean, SamplingParams(1.0), 3)
+    keep = [0, 1, 3]                                     # other rows: unaffected
+    assert torch.equal(out[keep], ref_out[keep]) and torch.equal(n[keep], ref_n[keep])
+
+
+def test_top_p_falls_back_with_logged_reason(caplog):
+    gen = torch.Generator().manual_seed(4)
+    x, drafts, q = make_case(gen, 3, 2, 40, 1.0, True, torch.float32, 1.0, 0.0, False)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    tb._LOGGED.discard("top-p is not fused")
+    with caplog.at_level(logging.WARNING, logger="flashspec.verify.triton"):
+        a = get_backend("triton")(x, drafts, q, params, 1)
+        get_backend("triton")(x, drafts, q, params, 1)
+    assert sum("top-p" in r.message for r in caplog.records) == 1
+    b = reference.verify(x, drafts, q, params, 1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_shape_errors_are_clear():
+    x = torch.randn(2, 3, 10)
+    with pytest.raises(ValueError, match="γ\\+1"):
+        tb.verify(x, torch.zeros(2, 3, dtype=torch.long), None, SamplingParams(1.0), 0)
+    with pytest.raises(ValueError, match="draft_logits"):
+        tb.verify(x, torch.zeros(2, 2, dtype=torch.long), torch.randn(2, 2, 9),
+                  SamplingParams(1.0), 0)
