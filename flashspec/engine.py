@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
@@ -123,7 +124,8 @@ class SpecEngine:
         width = max(state.lengths) - 1
         if width > 0:  # prefill everything but the last prompt token
             toks, pos = state.window([0] * batch, width)
-            self.target.forward_hidden(toks, pos, self.cache, span=width)
+            hidden = self.target.forward_hidden(toks, pos, self.cache, span=width)
+            state.set_hidden(hidden, [0] * batch, [n - 1 for n in state.lengths])
         return state
 
     # ----------------------------------------------------------------- one step
@@ -139,7 +141,7 @@ class SpecEngine:
         pos = torch.tensor(state.lengths, device=state.device)[:, None] - 1 + torch.arange(
             feed.shape[1], device=state.device)
         hidden = self.target.forward_hidden(feed, pos, self.cache, span=max(state.lengths) + drafts.shape[1])
-        state.hidden = hidden
+        state.set_hidden(hidden, [n - 1 for n in state.lengths], None)
         logits = self.target.logits(hidden)
         out, n_acc = self.verify(logits, drafts, draft_logits, self.params,
                                  call_seed(self.seed, self.calls))
@@ -168,6 +170,7 @@ class SpecEngine:
             budgets[b] -= len(new)
             state.finished[b] = state.finished[b] or budgets[b] <= 0
             added.append(len(new))
+        state.hidden_valid = [min(n + 1, a) if a else 0 for n, a in zip(n_acc, added)]
         return added
 
     # ----------------------------------------------------------------- the loop
@@ -186,18 +189,25 @@ class SpecEngine:
         step_s: list[float] = []
         while not all(state.finished):
             ts = time.perf_counter()
-            arm_id = self.policy.select({"step": len(step_s), "domain": domain})
+            context = {"step": len(step_s), "domain": domain}
+            arm_id = self.policy.select(context)
             arm = self.arms[arm_id]
             drafts, draft_logits = self._propose(state, arm)
+            t_draft = time.perf_counter() - ts
             active = [not f for f in state.finished]
             out, n_acc = self._verify(state, drafts, draft_logits)
             self._commit(state, out, n_acc, budgets)
             for drafter in {a.drafter for a in self.arms if a.drafter is not None}:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
-            reward = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
-            if drafts.shape[1]:
-                self.policy.update(arm_id, reward, step_s[-1], {"step": len(step_s), "domain": domain})
+            proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
+            if proposed:
+                r = reward(getattr(self.policy, "reward_kind", "alpha"), proposed, accepted,
+                           step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
+                for row, live in zip(rows, active):
+                    if live:
+                        row.rewards.append(r)
+                self.policy.update(arm_id, r, step_s[-1], context)
         for b, row in enumerate(rows):
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
         t1 = time.perf_counter()
@@ -205,8 +215,8 @@ class SpecEngine:
 
     @staticmethod
     def _record(rows: list[RowResult], active: list[bool], arm_id: int, gamma: int,
-                n_acc: list[int]) -> float:
-        """Per-row step statistics; returns the step's reward α (accepted / proposed, active rows)."""
+                n_acc: list[int]) -> tuple[int, int]:
+        """Per-row step statistics; returns (proposed, accepted) summed over the active rows."""
         proposed = accepted = 0
         for row, live, n in zip(rows, active, n_acc):
             if not live:
@@ -219,8 +229,4 @@ class SpecEngine:
                 row.accept_hist.extend([0] * (gamma + 1 - len(row.accept_hist)))
             row.accept_hist[n] += 1
             proposed, accepted = proposed + gamma, accepted + n
-        reward = accepted / proposed if proposed else 0.0
-        for row, live in zip(rows, active):
-            if live:
-                row.rewards.append(reward)
-        return reward
+        return proposed, accepted

@@ -1,7 +1,7 @@
 """The drafter interface and the decode state that drafters read."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +20,17 @@ class DecodeState:
     lengths: list[int]                    # committed length per row (host)
     host_tokens: list[list[int]]          # same content as ``tokens`` (host)
     finished: list[bool]
-    hidden: torch.Tensor | None = None    # target hidden states of the last verify, [B, γ+1, d]
+    # Target hidden states (after the final norm) of the last target forward, [B, w, d]:
+    # column j of row b is the state at position hidden_start[b] + j; the first
+    # hidden_valid[b] columns belong to committed tokens (feature-level drafters read them).
+    hidden: torch.Tensor | None = None
+    hidden_start: list[int] = field(default_factory=list)
+    hidden_valid: list[int] = field(default_factory=list)
     domain: str | None = None
+
+    def set_hidden(self, hidden: torch.Tensor, start: list[int], valid: list[int] | None) -> None:
+        self.hidden, self.hidden_start = hidden, start
+        self.hidden_valid = valid if valid is not None else [0] * len(start)
 
     @property
     def batch(self) -> int:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashspec.errors import FlashSpecError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,11 +23,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy")
+            raise FlashSpecError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
+            raise FlashSpecError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable")
+            raise FlashSpecError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,146 @@
+"""The decode engine on the real SmolLM2 model (fp32, CPU): greedy speculative == greedy target."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashspec.build import check_shared_vocab
+from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.models import LlamaLM, load_model, smollm2_dir
+from flashspec.verify import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is 17 * 23? Explain briefly.",
+    "List three colours of the rainbow.",
+    "def is_palindrome(s):\n    \"\"\"Return True if s reads the same backwards.\"\"\"\n",
+]
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smol() -> tuple[LlamaLM, object]:
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol) -> list[list[int]]:
+    _, tok = smol
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                   return_dict=True)["input_ids"] for t in TEXTS]
+    assert len({len(p) for p in ids}) > 1, "prompts must have different lengths"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(smol, prompts) -> list[list[int]]:
+    """Target-only greedy tokens, one prompt at a time, with a plain full-recompute loop."""
+    model, tok = smol
+    outs = []
+    for p in prompts:
+        seq = list(p)
+        with torch.inference_mode():
+            for _ in range(N_NEW):
+                ids = torch.tensor([seq])
+                logits = model(ids, torch.arange(len(seq))[None])
+                nxt = int(logits[0, -1].argmax())
+                seq.append(nxt)
+                if nxt == tok.eos_token_id:
+                    break
+        outs.append(seq[len(p):])
+    return outs
+
+
+def small_model_dir(out: Path, n_layers: int = 8) -> Path:
+    """A separate HF causal LM on disk: SmolLM2 cut to its first layers (same tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    src = smollm2_dir()
+    cfg = AutoConfig.from_pretrained(src)
+    cfg.num_hidden_layers = n_layers
+    full = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    small = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    small.load_state_dict(full.state_dict(), strict=False)
+    small.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def arms(smol, tmp_path_factory) -> dict[str, Arm]:
+    model, tok = smol
+    small, small_tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("small"))))
+    check_shared_vocab("small", tok, small_tok, model, small)
+    return {"ngram": Arm(NgramDrafter(), 4),
+            "layerskip": Arm(ModelDrafter(model, list(range(12)), name="skip12"), 3),
+            "model": Arm(ModelDrafter(small, None, name="small8"), 3)}
+
+
+def test_ar_engine_matches_full_recompute(smol, prompts, reference):
+    model, tok = smol
+    engine = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id])
+    got = [engine.generate([p], N_NEW).rows[0].tokens for p in prompts]
+    assert got == reference
+
+
+@pytest.mark.parametrize("kind", ["ngram", "layerskip", "model"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_target(smol, prompts, reference, arms, kind, batch):
+    model, tok = smol
+    engine = SpecEngine(model, [arms[kind]], eos_ids=[tok.eos_token_id])
+    if batch == 1:
+        rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
+    else:
+        rows = engine.generate(prompts, N_NEW).rows
+    assert [r.tokens for r in rows] == reference
+    assert sum(r.n_proposed for r in rows) > 0
+    assert all(0 <= r.n_accepted <= r.n_proposed for r in rows)
+
+
+def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, arms):
+    """Rows in one batch accept different counts in the same step (no cut to the batch minimum)."""
+    model, tok = smol
+    engine = SpecEngine(model, [arms["ngram"]], eos_ids=[tok.eos_token_id])
+    rows = engine.generate(prompts, N_NEW).rows
+    alone = [engine.generate([p], N_NEW).rows[0] for p in prompts]
+    assert [r.n_accepted for r in rows] == [r.n_accepted for r in alone]
+    assert len({r.steps for r in rows}) > 1
+
+
+def test_length_limit_and_eos_per_row(smol, prompts):
+    model, tok = smol
+    engine = SpecEngine(model, [Arm(NgramDrafter(), 4)], eos_ids=[tok.eos_token_id])
+    rows = engine.generate(prompts, 7).rows
+    assert all(len(r.tokens) <= 7 for r in rows)
+    eos_rows = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id]).generate(prompts[1:2], 200)
+    toks = eos_rows.rows[0].tokens
+    assert toks[-1] == tok.eos_token_id and tok.eos_token_id not in toks[:-1]
+
+
+def test_sampling_is_reproducible_and_differs_by_seed(smol, prompts, arms):
+    model, tok = smol
+    params = SamplingParams(temperature=1.0, top_k=50)
+    run = lambda seed: SpecEngine(model, [arms["layerskip"]], params=params, seed=seed).generate(
+        prompts[:2], 16).rows
+    a, b, c = run(1), run(1), run(2)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+def test_bad_inputs(smol):
+    model, _ = smol
+    with pytest.raises(FlashSpecError, match="empty prompt"):
+        SpecEngine(model, [Arm(None, 0)]).generate([[]], 4)
+    with pytest.raises(FlashSpecError, match="context window"):
+        SpecEngine(model, [Arm(None, 0)]).generate([[1] * 8190], 16)
+    with pytest.raises(FlashSpecError, match="gamma"):
+        SpecEngine(model, [Arm(NgramDrafter(), 0)])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=1.5)
