@@ -16,6 +16,7 @@ import sys
 from importlib.util import find_spec
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,8 +25,9 @@ if not torch.cuda.is_available():                          # before triton kerne
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from exactness.cases import ArmSpec, Case, build, run_case  # noqa: E402
-from exactness.choosers import PeekingDrafter, PolicyChooser  # noqa: E402
+from exactness.choosers import PeekingDrafter, PolicyChooser, SwitchOnRejectChooser  # noqa: E402
 from exactness.planted import BUGS, make_verify  # noqa: E402
+from exactness.stats import exact_target_probs, gate, sample_reference  # noqa: E402
 from flashspec.verify import SamplingParams, get_backend, warp_logprobs  # noqa: E402
 
 FULL, ONE_HOT = ArmSpec(), ArmSpec(one_hot=True)
@@ -88,15 +90,32 @@ def test_gate_passes_realistic_vocab() -> None:
     assert result.passed, result.summary()
 
 
-@pytest.mark.parametrize("policy", ["ucb1", "thompson"])
+@pytest.mark.parametrize("policy", ["ucb1", "thompson", "switch_on_reject"])
 def test_gate_passes_with_bandit_chosen_drafters(policy: str) -> None:
-    """Each row's own bandit picks (q table, γ) every step from its past acceptance only."""
+    """Each row's own chooser picks (q table, γ) every step from its past acceptance only:
+    flashspec.bandits policies (one replicate per row) and a strongly history-dependent rule."""
     case = Case(1.0, arms=BANDIT_ARMS)
-    chooser = PolicyChooser(policy, len(BANDIT_ARMS), case.n_rows, seed=7)
+    chooser = (SwitchOnRejectChooser(len(BANDIT_ARMS), case.n_rows) if policy == "switch_on_reject"
+               else PolicyChooser(policy, len(BANDIT_ARMS), case.n_rows, seed=7))
     result, run = run_case(case, backend("torch"), chooser=chooser)
-    _report(f"bandit={policy} {case.name()} arm_steps={run.arm_steps}", result, run)
+    _report(f"chooser={policy} {case.name()} arm_steps={run.arm_steps}", result, run)
     assert len(chooser.history) >= 3 and all(run.arm_steps.get(a, 0) > 0 for a in range(3))
     assert result.passed, result.summary()
+
+
+def test_gate_calibration_on_direct_samples() -> None:
+    """The statistics alone: direct target samples pass; samples at T·1.05 (a 5 % temperature
+    error) or with 1 % of the mass moved onto one p = 0 token fail."""
+    target = build(Case(1.0))[0][:5]
+    probs = exact_target_probs(target, 1.0)
+    reference = sample_reference(probs, 10_000, seed=1)
+    assert gate(sample_reference(probs, 10_000, seed=2), reference, probs).passed
+    hotter = exact_target_probs(target, 1.05)
+    assert not gate(sample_reference(hotter, 10_000, seed=2), reference, probs).passed
+    leaked = sample_reference(probs, 10_000, seed=2)
+    zero_tok = int(np.flatnonzero(probs[0] == 0)[0])
+    leaked[:100, 0] = zero_tok
+    assert not gate(leaked, reference, probs).passed
 
 
 @pytest.mark.parametrize("bug", BUGS)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():                          # before triton kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashspec.verify import SamplingParams, get_backend, warp_logprobs  # noqa: E402
+from flashspec.verify import SamplingParams, get_backend, rng, warp_logprobs  # noqa: E402
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     find_spec("flashspec.verify.triton_backend") is None,
@@ -195,3 +195,30 @@ def test_row_independent_of_other_rows(name: str) -> None:
         assert torch.equal(o2[row], out[row]) and n2[row] == n[row]
 
     check()
+
+
+# Regression found by the exactness gate (case T=1.5, top-k 50, top-p 0.8 emitted a p = 0 token):
+# rng.to_unit maps the largest hash to (2^24 - 1 + 0.5) / 2^24, which rounds to exactly 1.0 in
+# float32; then E = -log u = 0 and the exponential race scores a p = 0 token -inf - (-inf) = NaN,
+# which argmax picks. rng.uniform(U_ONE_SEED, stream 0, index U_ONE_INDEX) is such a uniform.
+U_ONE_SEED, U_ONE_INDEX = 420857, 40
+
+
+def test_uniforms_strictly_inside_unit_interval() -> None:
+    """The extreme hashes must map strictly inside (0, 1), as rng's docstring promises."""
+    u = rng.to_unit(torch.tensor([0, 0xFFFFFFFF], dtype=torch.int64))
+    assert 0.0 < float(u[0]) and float(u[1]) < 1.0, u.tolist()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_uniform_of_one_never_emits_p_zero_token(name: str, temperature: float) -> None:
+    """A rejected draft whose residual race meets u = 1 on a p = 0 token must not emit it."""
+    fn = verify_fn(name)
+    target = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(0))
+    target[..., U_ONE_INDEX] = float("-inf")
+    target[..., U_ONE_INDEX + 1] = float("-inf")                  # the (rejected) draft token
+    out, n = fn(target, torch.tensor([[U_ONE_INDEX + 1]]), None, SamplingParams(temperature),
+                U_ONE_SEED)
+    assert int(n[0]) == 0
+    assert torch.isfinite(target[0, 0, out[0, 0]]), f"emitted p = 0 token {int(out[0, 0])}"

@@ -2,9 +2,8 @@
 result against exact probabilities and plain target samples."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from exactness.harness import Chooser, SpecRun, TableDrafter, VerifyFn, speculative_sample
@@ -36,7 +35,6 @@ class Case:
     n_rows: int = 10_000
     scale_p: float = 2.5
     seed: int = 0
-    tags: tuple[str, ...] = field(default=())
 
     @property
     def params(self) -> SamplingParams:
@@ -48,8 +46,9 @@ class Case:
 
     def name(self) -> str:
         arms = "+".join(f"{'1hot' if a.one_hot else 'q'}{a.overlap}g{a.gamma}" for a in self.arms)
+        peak = "" if self.scale_p == 2.5 else f"-s{self.scale_p}"
         return (f"T{self.temperature}-k{self.top_k}-p{self.top_p}-{arms}-V{self.vocab}"
-                f"-N{self.n_rows}-L{self.length}")
+                f"-N{self.n_rows}-L{self.length}{peak}")
 
 
 def build(case: Case) -> tuple[torch.Tensor, list[TableDrafter]]:

@@ -55,3 +55,20 @@ class PeekingDrafter:
         tokens = torch.stack([tok for tok, _ in props])[best, torch.arange(len(best))]
         logits = torch.stack([q for _, q in props])[best, torch.arange(len(best))]
         return tokens, logits
+
+
+class SwitchOnRejectChooser:
+    """Legal but strongly history-dependent: a row moves to the next arm after any step in
+    which a draft was rejected, and stays after a fully accepted step."""
+
+    def __init__(self, n_arms: int, n_rows: int) -> None:
+        self.n_arms = n_arms
+        self.arm = torch.zeros(n_rows, dtype=torch.long)
+        self.history: list[torch.Tensor] = []
+
+    def select(self, rows: torch.Tensor) -> torch.Tensor:
+        self.history.append(self.arm[rows].clone())
+        return self.arm[rows]
+
+    def update(self, rows: torch.Tensor, arm: int, n_accepted: torch.Tensor, gamma: int) -> None:
+        self.arm[rows] = torch.where(n_accepted < gamma, (arm + 1) % self.n_arms, arm)

@@ -17,7 +17,7 @@ from flashspec.verify import rng
 from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-CHUNK_ELEMS = 1 << 25          # logits elements per verify call (bounds memory at large V)
+CHUNK_ELEMS = 1 << 23          # logits elements per verify call (bounds memory at large V)
 
 
 @dataclass
