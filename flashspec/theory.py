@@ -17,6 +17,28 @@ def expected_tau(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+def lowrank_cost_ratio(rank: int, vocab: int, hidden: int) -> float:
+    """Weight bytes (= FLOPs) of a rank-r head over the full head's: r (V + d) / (V d).
+
+    This is the ν a purely bandwidth-bound head would reach (SlimSpec's ideal ν).
+    """
+    return rank * (vocab + hidden) / (vocab * hidden)
+
+
+def equal_cost_keep(rank: int, vocab: int, hidden: int) -> int:
+    """Truncation size k whose head has the weight bytes / FLOPs of a rank-r head: r (V + d) / d.
+
+    Rounded to the nearest id count and capped at V (a rank close to d costs more than the
+    full vocabulary).
+    """
+    return min(vocab, max(1, round(rank * (vocab + hidden) / hidden)))
+
+
+def equal_cost_rank(keep: int, vocab: int, hidden: int) -> int:
+    """Inverse of :func:`equal_cost_keep`: the rank with a k-token truncated head's cost."""
+    return min(hidden, max(1, round(keep * hidden / (vocab + hidden))))
+
+
 def arm_gaps(means: Sequence[float]) -> list[float]:
     """Gaps Δ_i = μ* − μ_i of each arm to the best arm."""
     best = max(means)

@@ -1,0 +1,51 @@
+"""Head latency benchmark (SlimSpec ν): full vs low-rank vs equal-cost truncated heads.
+
+Hydra: ``python run.py experiment=head_bench [hardware=h200] [smoke=true]``.
+Plain (torch only, e.g. on a GPU box without Hydra/W&B):
+``python -m experiments.head_bench --device cuda --out DIR``.
+The measurement lives in :mod:`flashspec.heads.bench`; this file maps configs onto it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from flashspec.heads.bench import BenchConfig, main, run_bench
+
+KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
+         "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads")
+
+
+def bench_config(cfg: Any) -> BenchConfig:
+    """BenchConfig from the composed config: experiment knobs, hardware device/dtype, smoke."""
+    exp, hw = cfg.experiment, cfg.hardware
+    dtype = exp.get("dtype") or hw.get("dtype")
+    if cfg.get("smoke"):
+        return BenchConfig.smoke(hw.device, dtype)
+    knobs = {k: exp[k] for k in KNOBS if exp.get(k) is not None}
+    knobs = {k: list(v) if k in ("batches", "rank_divs") else v for k, v in knobs.items()}
+    shapes = [tuple(int(x) for x in s) for s in exp.shapes]
+    return BenchConfig(shapes=shapes, device=hw.device, dtype=dtype, seed=int(cfg.seed), **knobs)
+
+
+def run(cfg: Any) -> dict:
+    """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
+    from omegaconf import OmegaConf
+
+    from flashspec.records import WandbLogger
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    lg = cfg.logger
+    logger = WandbLogger(mode=lg.mode, project=lg.project, entity=lg.get("entity"),
+                         group=lg.get("group"), tags=list(lg.get("tags") or []),
+                         name=f"head_bench_{cfg.hardware.name}", config=resolved,
+                         dir=cfg.output_dir)
+    try:
+        summary = run_bench(bench_config(cfg), cfg.output_dir, resolved, logger)
+        logger.summary({"n_records": summary["n_records"]})
+    finally:
+        logger.finish()
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())
