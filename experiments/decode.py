@@ -165,12 +165,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         for m in methods:
             m.run([warm], 4, None)
     batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
-    bar = tqdm(total=len(batches) * len(methods), desc="decode", unit="batch")
-    for bi, batch in enumerate(batches):
-        for m in methods:
-            _decode_batch(m, batch, bi, tokenizer, max_new, params, cfg, prov, writer, logger, done)
-            bar.update()
-    bar.close()
+    with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
+        for bi, batch in enumerate(batches):
+            for m in methods:
+                _decode_batch(m, batch, bi, tokenizer, max_new, params, cfg, prov, writer, logger, done)
+                bar.update()
     from flashspec.records import read_records
     rows = summarize(read_records(writer.path))
     print(f"\nrecords: {writer.path}\n" + format_table(rows))

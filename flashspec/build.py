@@ -8,6 +8,7 @@ from flashspec.drafters import Drafter, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, FixedPolicy
 from flashspec.errors import FlashSpecError
 from flashspec.models import LlamaLM, load_model
+from flashspec.models.loading import source_config
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ def build_drafter(spec: Mapping[str, Any], target: LlamaLM, tokenizer, cfg_hardw
         layers = layer_set(spec, target.shape.num_layers)
         return ModelDrafter(target, layers, head=make_head(cfg_head, target), name=name)
     if kind == "model":
+        config = source_config(spec["source"])
+        if config is not None and config.vocab_size != target.shape.vocab_size:
+            raise FlashSpecError(f"drafter {name!r} has a different vocabulary than the target "
+                                 f"({config.vocab_size} vs {target.shape.vocab_size} ids); pick a "
+                                 "drafter of the same model family")
         model, tok = load_model(spec["source"], dtype=spec.get("dtype") or cfg_hardware["dtype"],
                                 device=cfg_hardware["device"])
         check_shared_vocab(name, tokenizer, tok, target, model)

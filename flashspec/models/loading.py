@@ -175,6 +175,17 @@ def dummy_config(name: str):
     return AutoConfig.for_model(model_type, max_position_embeddings=8192, **spec)
 
 
+def source_config(source: str):
+    """The HF config of ``source`` without loading weights (None for a GGUF not yet converted)."""
+    from transformers import AutoConfig
+    if source.startswith("dummy:"):
+        return dummy_config(source.split(":", 1)[1])
+    if source.endswith(".gguf"):
+        directory = cache_root() / Path(source).stem
+        return AutoConfig.from_pretrained(directory) if (directory / "config.json").is_file() else None
+    return AutoConfig.from_pretrained(smollm2_dir() if source == "smollm2" else hf_dir(source))
+
+
 def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                quantization: str | None = None, seed: int = 0):
     """(model, tokenizer) for ``source``: 'smollm2', 'dummy:<shape>', a .gguf path, a dir or HF id."""

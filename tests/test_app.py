@@ -1,0 +1,98 @@
+"""The Hydra app as a user runs it: every experiment config, sweeps, launchers and bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+
+
+def run_app(*overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "run.py", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records_in(directory: Path) -> list[dict]:
+    return [json.loads(line) for f in directory.rglob("*.jsonl") if "wandb" not in f.parts
+            for line in f.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_config_runs_tiny(experiment, tmp_path):
+    """The glob(*) smoke test: each conf/experiment/*.yaml end to end with smoke=true."""
+    res = run_app(f"experiment={experiment}", "smoke=true", "logger=disabled",
+                  f"hydra.run.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / ".hydra" / "config.yaml").is_file()
+    recs = records_in(tmp_path)
+    assert recs, f"{experiment} wrote no records"
+    assert all("provenance" in r or "commit" in json.dumps(r) for r in recs)
+
+
+@pytest.mark.slow
+def test_glob_sweep_over_experiments(tmp_path):
+    """`-m experiment=glob(*)` composes every experiment config into one sweep."""
+    res = run_app("-m", "experiment=glob(*,exclude=[decode,train_drafter,kernel_bench,head_bench])",
+                  "smoke=true", "logger=disabled", f"hydra.sweep.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) >= 1
+
+
+@pytest.mark.slow
+def test_submitit_local_two_job_sweep(tmp_path):
+    res = run_app("-m", "hydra/launcher=submitit_local", "experiment=bandit_sim", "smoke=true",
+                  "logger=disabled", "seed=0,1", f"hydra.sweep.dir={tmp_path}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = sorted(d for d in tmp_path.iterdir() if d.is_dir() and (d / ".hydra").is_dir())
+    assert len(jobs) == 2
+    assert all(records_in(d) for d in jobs)
+
+
+BAD_INPUT = {
+    "gamma": (["drafters.gammas=[0]"], "gamma"),
+    "temperature": (["experiment.temperature=-0.5"], "temperature"),
+    "top_p": (["experiment.temperature=1.0", "experiment.top_p=1.5"], "top_p"),
+    "vocab": (["drafters.drafters=[{name: tiny, kind: model, source: 'dummy:tinyllama-1.1b'}]"],
+              "vocabulary"),
+    "context": (["dataset.max_new_tokens=9000"], "context window"),
+    "missing_model": (["target.source=/nonexistent/model.gguf"], "not found"),
+    "batch": (["experiment.batch_size=0"], "batch_size"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_clear_line(case, tmp_path):
+    overrides, needle = BAD_INPUT[case]
+    res = run_app("experiment=decode", "logger=disabled", "experiment.warmup=false",
+                  "dataset.n_prompts=1", f"hydra.run.dir={tmp_path}", *overrides)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and needle in last, res.stderr[-2000:]
+    assert not records_in(tmp_path)
+
+
+@pytest.mark.slow
+def test_corrupt_model_file(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(4096))
+    res = run_app("experiment=decode", "logger=disabled", f"target.source={bad}",
+                  f"hydra.run.dir={tmp_path / 'run'}")
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "corrupt" in last, res.stderr[-2000:]
+
+
+def test_unknown_config_choice_names_the_options():
+    res = run_app("bandit=nope", timeout=120)
+    assert res.returncode != 0
+    assert "bandit/nope" in res.stderr and "ucb1" in res.stderr
