@@ -101,10 +101,13 @@ class GateResult:
         return self.invalid == 0 and self.min_p >= self.threshold
 
     def summary(self) -> str:
-        fmt = lambda xs: "[" + ", ".join(f"{x:.3g}" for x in xs) + "]"  # noqa: E731
         return (f"{'PASS' if self.passed else 'FAIL'} invalid={self.invalid} "
                 f"min_p={self.min_p:.3g} thr={self.threshold:.3g} "
-                f"ks={fmt(self.ks)} chi2={fmt(self.chi2)}")
+                f"ks={_fmt(self.ks)} chi2={_fmt(self.chi2)}")
+
+
+def _fmt(xs: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.3g}" for x in xs) + "]"
 
 
 def gate(spec: np.ndarray, reference: np.ndarray, probs: np.ndarray,
