@@ -2,6 +2,8 @@
 
 Same seed -> identical tokens and counts. Inputs are drawn by Hypothesis (shapes, temperature,
 dtype, scale, masks, top-k, seed kinds) from a seeded torch generator, so shrinking stays cheap.
+On a GPU machine, `TRITON_INTERPRET=0 FLASHSPEC_TRITON_EXAMPLES=20 pytest tests/test_triton_verify.py`
+runs the same comparisons with compiled kernels on CUDA tensors.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import triton.language as tl
 
 pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 np.seterr(all="ignore")          # log(0) = -inf etc. inside the interpreter is intended
-CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if not tb.INTERPRET and torch.cuda.is_available() else "cpu")
 TEMPS = [0.0, 0.5, 1.0, 1.7]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -33,7 +35,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def test_runs_in_interpreter():
     """Guard: if triton was imported before TRITON_INTERPRET=1, every CPU call would fall back
     to the reference and the comparisons below would compare the reference with itself."""
-    assert tb.INTERPRET, "flashspec.verify.triton_kernels was imported without TRITON_INTERPRET=1"
+    assert tb.INTERPRET or DEVICE.type == "cuda", (
+        "flashspec.verify.triton_kernels was imported without TRITON_INTERPRET=1")
 
 
 def make_case(gen: torch.Generator, batch: int, gamma: int, vocab: int, temp: float,
@@ -57,7 +60,8 @@ def make_case(gen: torch.Generator, batch: int, gamma: int, vocab: int, temp: fl
     if zero_p_draft:                                     # a draft token the target gives p = 0
         x[0, 0, drafts[0, 0]] = float("-inf")
         x[0, 0, (drafts[0, 0] + 1) % vocab] = 0.0
-    return x.to(dtype), drafts, None if q is None else q.to(dtype)
+    return (x.to(DEVICE, dtype), drafts.to(DEVICE),
+            None if q is None else q.to(DEVICE, dtype))
 
 
 def assert_same(x, drafts, q, params, seed, temperature=None, fused=None):
@@ -91,7 +95,8 @@ def test_matches_reference(batch, gamma, vocab, temp, full_q, dtype, scale, neg_
     if row_temp:
         temps = torch.tensor(TEMPS, dtype=torch.float64)[torch.randint(0, 4, (batch,),
                                                                         generator=gen)]
-    s = torch.tensor(seed, dtype=torch.int64) if seed_tensor else seed
+        temps = temps.to(DEVICE)
+    s = torch.tensor(seed, dtype=torch.int64, device=DEVICE) if seed_tensor else seed
     assert_same(x, drafts, q, SamplingParams(temperature=temp, top_k=top_k), s, temps)
 
 
@@ -137,7 +142,8 @@ def test_extreme_logits():
     x[1, :, :5] = torch.tensor([1e38, -1e38, 1e30, 0.0, -1e30])
     x[2] = torch.randn(3, 50) * 1e4
     x[3, :, 7:9] = torch.tensor([1e-30, 0.0])
-    drafts = torch.tensor([[3, 4], [0, 2], [1, 1], [8, 7]])
+    drafts = torch.tensor([[3, 4], [0, 2], [1, 1], [8, 7]], device=DEVICE)
+    x = x.to(DEVICE)
     for temp in TEMPS:
         assert_same(x, drafts, None, SamplingParams(temperature=temp), 1)
         assert_same(x.bfloat16(), drafts, x[:, :2].flip(-1), SamplingParams(temperature=temp), 2)
@@ -145,9 +151,9 @@ def test_extreme_logits():
 
 def test_empty_residual_falls_back_to_p():
     """q >= p everywhere p > 0 (up to rounding) leaves an empty residual: sample from p."""
-    x = torch.tensor([[[0.0, -200.0], [0.0, 0.0]]])
-    q = torch.tensor([[[0.0, -199.0]]])
-    drafts = torch.tensor([[1]])
+    x = torch.tensor([[[0.0, -200.0], [0.0, 0.0]]], device=DEVICE)
+    q = torch.tensor([[[0.0, -199.0]]], device=DEVICE)
+    drafts = torch.tensor([[1]], device=DEVICE)
     seen = set()
     for seed in range(16):
         n = assert_same(x, drafts, q, SamplingParams(temperature=1.0), seed)
@@ -158,7 +164,7 @@ def test_empty_residual_falls_back_to_p():
 
 def test_greedy_is_target_argmax():
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 4, 120, generator=gen)
+    x = torch.randn(6, 4, 120, generator=gen).to(DEVICE)
     drafts = x[:, :3].argmax(-1)
     drafts[1, 1] = (drafts[1, 1] + 1) % 120
     out, n = tb.verify(x, drafts, None, SamplingParams(temperature=0.0), 0)
@@ -167,9 +173,11 @@ def test_greedy_is_target_argmax():
         int(x[1, 0].argmax()), int(x[1, 1].argmax())] and out[1, 2:].tolist() == [-1, -1]
 
 
-@pytest.mark.parametrize("seed", [0, -1, 2**32 + 5, 2**63 - 1, torch.tensor(77),
-                                  torch.tensor([2**40 + 3])])
+@pytest.mark.parametrize("seed", [0, -1, 2**32 + 5, 2**63 - 1, "t77", "t1099511627779"])
 def test_seed_kinds(seed):
+    if isinstance(seed, str):                            # 0-d and 1-element device tensors
+        value = int(seed[1:])
+        seed = torch.tensor(value if value < 100 else [value], device=DEVICE)
     gen = torch.Generator().manual_seed(1)
     x, drafts, q = make_case(gen, 5, 3, 90, 1.0, True, torch.float32, 2.0, 0.0, False)
     assert_same(x, drafts, q, SamplingParams(temperature=1.0), seed)
@@ -185,9 +193,9 @@ def test_rng_port_bit_exact(wide):
         tl.store(out + idx, K._uniform(key, idx * 977 + 3, WIDE))
 
     for seed in (0, 123456789, -7):
-        got = torch.empty(256)
+        got = torch.empty(256, device=DEVICE)
         kern[(1,)](got, seed, WIDE=wide, N=256)
-        idx = torch.arange(256)
+        idx = torch.arange(256, device=DEVICE)
         want = rng.uniform(seed, idx // 64, idx * 977 + 3)
         assert torch.equal(got, want)
 
@@ -196,7 +204,7 @@ def test_rng_port_bit_exact(wide):
 def test_invalid_input_raises_on_cpu_and_poisons_rows(bad):
     gen = torch.Generator().manual_seed(2)
     x, drafts, q = make_case(gen, 4, 2, 64, 1.0, True, torch.float32, 1.0, 0.0, False)
-    temps = torch.ones(4)
+    temps = torch.ones(4, device=DEVICE)
     if bad == "nan":
         x[2, 2, 5] = float("nan")
     elif bad == "posinf":
@@ -207,8 +215,9 @@ def test_invalid_input_raises_on_cpu_and_poisons_rows(bad):
         drafts[2, 0] = 64
     with pytest.raises((FloatingPointError, ValueError, RuntimeError, IndexError)):
         reference.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
-    with pytest.raises(FloatingPointError):
-        tb.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
+    if DEVICE.type == "cpu":                             # no host sync on CUDA: rows poisoned
+        with pytest.raises(FloatingPointError):
+            tb.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
     out, n = tb.launch(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
     assert int(n[2]) == -1 and (out[2] == -1).all()
     clean = make_case(torch.Generator().manual_seed(2), 4, 2, 64, 1.0, True, torch.float32, 1.0,
@@ -232,7 +241,7 @@ def test_top_p_falls_back_with_logged_reason(caplog):
 
 
 def test_shape_errors_are_clear():
-    x = torch.randn(2, 3, 10)
+    x = torch.randn(2, 3, 10, device=DEVICE)
     with pytest.raises(ValueError, match="γ\\+1"):
         tb.verify(x, torch.zeros(2, 3, dtype=torch.long), None, SamplingParams(1.0), 0)
     with pytest.raises(ValueError, match="draft_logits"):

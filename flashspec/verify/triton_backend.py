@@ -53,6 +53,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _bucket(n: int) -> int:
+    """Padded chunk count of the merge loads: few distinct values, so few compilations."""
+    return _next_pow2(n) if INTERPRET else max(64, _next_pow2(n))
+
+
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
     """Chunking: on the GPU enough programs to fill it at B=1; in the interpreter few, big ones."""
@@ -195,19 +200,19 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                      kp2, params.top_k, temperature is not None)
     K.stats_kernel[(nc, n_groups, gamma + 1)](
         *common, ws, cnt, out, out.stride(0), nacc, batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-        CHUNK=p.chunk, BLOCK=p.block, NC_P2=_next_pow2(nc), FUSED=fused, num_warps=p.warps,
+        CHUNK=p.chunk, BLOCK=p.block, NC_P2=_bucket(nc), FUSED=fused, num_warps=p.warps,
         **flags)
     if not fused:
         K.decide_kernel[(n_groups,)](
             *common, ws, out, out.stride(0), nacc, batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-            NC_P2=_next_pow2(nc), num_warps=4, **flags)
+            NC_P2=_bucket(nc), num_warps=4, **flags)
     K.race_kernel[(ncr, n_groups)](
         *common, ws, cnt_r, out, out.stride(0), batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-        CHUNK=p.rchunk, BLOCK=p.rblock, NCR_P2=_next_pow2(ncr), FUSED=fused,
+        CHUNK=p.rchunk, BLOCK=p.rblock, NCR_P2=_bucket(ncr), FUSED=fused,
         num_warps=p.rwarps, **flags)
     if not fused:
         K.finish_kernel[(n_groups,)](ws, out, out.stride(0), batch, nc, ncr, G=gamma,
-                                     ROWS=p.rows, NCR_P2=_next_pow2(ncr), num_warps=4)
+                                     ROWS=p.rows, NCR_P2=_bucket(ncr), num_warps=4)
     return out, nacc
 
 

@@ -299,7 +299,7 @@ def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
         return tl.zeros(r.shape, tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def stats_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
                  seed_ptr, seed, ws, cnt, out, o_sb, nacc, B, V, NC, NCR,
                  G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
@@ -337,7 +337,7 @@ def stats_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, te
             tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def decide_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
                   seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR,
                   G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
@@ -385,7 +385,7 @@ def _best(best, bidx, k, base):
     return tl.where(upd, tb, best), tl.where(upd, ti + base, bidx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
                 seed_ptr, seed, ws, cnt, out, o_sb, B, V, NC, NCR,
                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,

@@ -1,0 +1,329 @@
+"""Kernel benchmark: fused Triton verify vs the PyTorch reference (eager and torch.compile).
+
+Hydra: ``python run.py experiment=kernel_bench hardware=h200 [smoke=true]``.
+Plain (GPU box without Hydra/W&B): ``python -m experiments.kernel_bench --out DIR --hardware h200``.
+
+Per shape (B, γ, V): median µs per verify call (CUDA events around each call, warm-up
+excluded, inputs rotated over enough buffers to defeat the L2), speedup vs the eager
+reference, ratio to the memory floor (bytes read once / hardware.mem_bandwidth_gbs), whether
+kernel and reference return identical tokens and counts, whether verify runs without a
+device-to-host sync (``torch.cuda.set_sync_debug_mode("error")``) and inside a CUDA graph with
+a device seed. On CPU or with smoke=true a tiny shape set runs (interpreted Triton).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flashspec.errors import FlashSpecError
+from flashspec.records import RecordWriter, WandbLogger, provenance
+from flashspec.verify import SamplingParams, reference
+
+RECORDS = "kernel_bench.jsonl"
+FIGURE = "kernel_bench_speedup.png"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- inputs
+def make_inputs(batch: int, gamma: int, vocab: int, dtype: torch.dtype, draft: str,
+                temperature: float, device: torch.device, gen: torch.Generator):
+    """Target logits, draft tokens sampled from q, draft logits q (None for one-hot)."""
+    x = torch.randn(batch, gamma + 1, vocab, device=device, generator=gen) * 3.0
+    q = x[:, :gamma] + torch.randn(batch, gamma, vocab, device=device, generator=gen)
+    probs = torch.softmax(q.float() / max(temperature, 1e-3), dim=-1).reshape(-1, vocab)
+    tokens = torch.multinomial(probs, 1, generator=gen).reshape(batch, gamma)
+    return x.to(dtype), tokens, (q.to(dtype) if draft == "full" else None)
+
+
+def bytes_min(batch: int, gamma: int, vocab: int, dtype: torch.dtype, draft: str) -> int:
+    """Bytes any verify must move: logits read once, tokens read, outputs written."""
+    elt = torch.finfo(dtype).bits // 8
+    logits = batch * (gamma + 1) * vocab + (batch * gamma * vocab if draft == "full" else 0)
+    return logits * elt + batch * gamma * 8 + batch * (gamma + 2) * 8
+
+
+# ----------------------------------------------------------------------------- timing
+def time_calls(fn: Callable, buffers: list, iters: int, warmup: int, cuda: bool) -> list[float]:
+    """µs per call: CUDA events around each call (GPU) or perf_counter (CPU)."""
+    for i in range(warmup):
+        fn(*buffers[i % len(buffers)])
+    if not cuda:
+        out = []
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(*buffers[i % len(buffers)])
+            out.append((time.perf_counter() - t0) * 1e6)
+        return out
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(iters)]
+    for i, (a, b) in enumerate(ev):
+        a.record()
+        fn(*buffers[i % len(buffers)])
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in ev]
+
+
+def graph_time(verify: Callable, buffers: list, params: SamplingParams, replays: int
+               ) -> tuple[float, bool]:
+    """µs per call from replays of one CUDA graph holding one call per buffer, and whether
+    the captured calls, replayed with a new device seed, still equal the reference."""
+    seed = torch.zeros((), dtype=torch.int64, device="cuda")
+    verify(*buffers[0], params, seed)                       # warm (compile, counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [verify(*b, params, seed) for b in buffers]
+    times = []
+    for r in range(replays):
+        seed.fill_(1000 + r)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(buffers))
+    ref = reference.verify(*buffers[-1], params, 1000 + replays - 1)
+    same = torch.equal(outs[-1][0], ref[0]) and torch.equal(outs[-1][1], ref[1])
+    return statistics.median(times), same
+
+
+def no_host_sync(verify: Callable, args: tuple, params: SamplingParams) -> bool:
+    """True when verify (device seed) runs under set_sync_debug_mode('error')."""
+    seed = torch.tensor(7, dtype=torch.int64, device="cuda")
+    verify(*args, params, seed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        verify(*args, params, seed)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def compare(verify: Callable, args: tuple, params: SamplingParams, seeds: list[int]) -> int:
+    """Rows whose tokens or count differ between kernel and reference, over the seeds."""
+    bad = 0
+    for s in seeds:
+        ro, rn = reference.verify(*args, params, s)
+        ko, kn = verify(*args, params, s)
+        bad += int(((ro != ko).any(1) | (rn != kn)).sum())
+    return bad
+
+
+# ----------------------------------------------------------------------------- one shape
+def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
+                bandwidth_gbs: float, compiled: Callable | None, seed: int) -> dict:
+    """Every measurement of one (B, γ, V)."""
+    from flashspec.verify import triton_backend as tb
+    batch, gamma, vocab = shape
+    dtype, draft = getattr(torch, knobs["dtype"]), knobs["draft"]
+    cuda = device.type == "cuda"
+    need = bytes_min(batch, gamma, vocab, dtype, draft)
+    per_set = need if cuda else 1
+    n_buf = max(2, min(int(knobs["max_buffers"]), math.ceil(3 * knobs["l2_bytes"] / per_set)))
+    n_buf = n_buf if cuda else 2
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = SamplingParams(temperature=float(knobs["temperature"]))
+    buffers = [make_inputs(batch, gamma, vocab, dtype, draft, params.temperature, device, gen)
+               for _ in range(n_buf)]
+    run = lambda *b: tb.verify(*b, params, 3)                       # noqa: E731
+    run_sep = lambda *b: tb.launch(*b, params, 3, fused=False)      # noqa: E731
+    ref = lambda *b: reference.verify(*b, params, 3)                # noqa: E731
+    it, rit, wu = int(knobs["iters"]), int(knobs["ref_iters"]), int(knobs["warmup"])
+    rec: dict[str, Any] = {"B": batch, "gamma": gamma, "V": vocab, "dtype": knobs["dtype"],
+                           "draft": draft, "temperature": params.temperature, "n_buffers": n_buf,
+                           "bytes_min": need, "device": str(device), "fused": tb.FUSED,
+                           "interpreted": tb.INTERPRET}
+    rec["mismatch_rows"] = compare(tb.verify, buffers[0], params, list(knobs["check_seeds"]))
+    rec["mismatch_rows_unfused"] = compare(lambda *a: tb.launch(*a, fused=False), buffers[0],
+                                           params, list(knobs["check_seeds"]))
+    rec["identical"] = rec["mismatch_rows"] == 0 and rec["mismatch_rows_unfused"] == 0
+    rec["tau"] = float(tb.verify(*buffers[0], params, 3)[1].float().mean()) + 1.0
+    kernel = time_calls(run, buffers, it, wu, cuda)
+    rec["kernel_us"] = statistics.median(kernel)
+    rec["kernel_p90_us"] = sorted(kernel)[int(0.9 * (len(kernel) - 1))]
+    rec["kernel_unfused_us"] = statistics.median(time_calls(run_sep, buffers, it, wu, cuda))
+    rec["ref_eager_us"] = statistics.median(time_calls(ref, buffers, rit, min(wu, 3), cuda))
+    rec["ref_compiled_us"] = None
+    if compiled is not None:
+        comp = lambda *b: compiled(*b, params, 3)                   # noqa: E731
+        rec["ref_compiled_us"] = statistics.median(time_calls(comp, buffers, rit, 3, cuda))
+    rec["floor_us"] = need / (bandwidth_gbs * 1e3)
+    rec["speedup_eager"] = rec["ref_eager_us"] / rec["kernel_us"]
+    rec["speedup_compiled"] = (rec["ref_compiled_us"] / rec["kernel_us"]
+                               if rec["ref_compiled_us"] else None)
+    rec["floor_ratio"] = rec["kernel_us"] / rec["floor_us"]
+    rec["no_host_sync"] = no_host_sync(tb.verify, buffers[0], params) if cuda else None
+    rec["kernel_graph_us"], rec["graph_identical"] = (
+        graph_time(tb.verify, buffers, params, int(knobs["graph_replays"])) if cuda
+        else (None, None))
+    rec["graph_floor_ratio"] = (rec["kernel_graph_us"] / rec["floor_us"]
+                                if rec["kernel_graph_us"] else None)
+    rec["plan"] = tb.plan(batch, gamma, vocab).__dict__
+    return rec
+
+
+# ----------------------------------------------------------------------------- driver
+def shapes_of(knobs: dict) -> list[tuple[int, int, int]]:
+    return [(b, g, v) for v in knobs["vocabs"] for g in knobs["gammas"] for b in knobs["batches"]]
+
+
+def bench(knobs: dict, device: torch.device, bandwidth_gbs: float, out_dir: Path,
+          config: dict, seed: int, logger: WandbLogger | None = None) -> dict:
+    """All shapes; one JSONL record per shape (flushed), then the figure."""
+    writer = RecordWriter(out_dir / RECORDS)
+    compiled = None
+    if knobs.get("compile_ref") and device.type == "cuda":
+        compiled = torch.compile(reference.verify, dynamic=True)
+    prov = provenance(config, seed)
+    t0, rows = time.time(), []
+    try:
+        from tqdm import tqdm
+    except ImportError:                                                  # pragma: no cover
+        tqdm = lambda x, **k: x                                          # noqa: E731
+    for shape in tqdm(shapes_of(knobs), desc="kernel_bench"):
+        use = compiled if time.time() - t0 < float(knobs["time_budget_s"]) else None
+        rec = bench_shape(knobs, shape, device, bandwidth_gbs, use, seed)
+        rec["compiled_skipped"] = compiled is not None and use is None
+        rec.update(experiment="kernel_bench", provenance=prov)
+        writer.write(rec)
+        rows.append(rec)
+        print(_row(rec), flush=True)
+        if logger is not None:
+            logger.log({k: v for k, v in rec.items() if isinstance(v, (int, float))})
+    plot(rows, out_dir / FIGURE)
+    summary = summarize(rows)
+    if logger is not None:
+        logger.table("kernel_bench", [{k: v for k, v in r.items() if k != "provenance"}
+                                      for r in rows])
+        logger.summary(summary)
+    return summary
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r["identical"] for r in rows]
+    return {"n_records": len(rows), "all_identical": all(ok),
+            "min_speedup_eager": min(r["speedup_eager"] for r in rows),
+            "no_host_sync": all(r["no_host_sync"] is not False for r in rows)}
+
+
+def _row(r: dict) -> str:
+    comp = f"{r['ref_compiled_us']:9.1f}" if r["ref_compiled_us"] else "        -"
+    graph = f"{r['kernel_graph_us']:8.1f}" if r["kernel_graph_us"] else "       -"
+    return (f"B={r['B']:3d} γ={r['gamma']} V={r['V']:6d} | eager {r['ref_eager_us']:9.1f} "
+            f"compiled {comp} kernel {r['kernel_us']:8.1f} (unfused {r['kernel_unfused_us']:8.1f},"
+            f" graph {graph}) µs | x{r['speedup_eager']:6.1f} | floor {r['floor_us']:7.1f} µs "
+            f"ratio {r['floor_ratio']:5.2f} | same={r['identical']} nosync={r['no_host_sync']}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Speedup vs eager over B, one line per V, one panel per γ; kernel / floor below."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gammas = sorted({r["gamma"] for r in rows})
+    fig, axes = plt.subplots(2, len(gammas), figsize=(5 * len(gammas), 7), squeeze=False)
+    for col, g in enumerate(gammas):
+        for v in sorted({r["V"] for r in rows}):
+            sel = sorted((r for r in rows if r["gamma"] == g and r["V"] == v), key=lambda r: r["B"])
+            bs = [r["B"] for r in sel]
+            axes[0][col].plot(bs, [r["speedup_eager"] for r in sel], "o-", label=f"V={v}")
+            axes[1][col].plot(bs, [r["floor_ratio"] for r in sel], "o-", label=f"V={v}")
+        axes[0][col].set(title=f"γ={g}", xscale="log", yscale="log", xlabel="batch B",
+                         ylabel="speedup vs eager reference")
+        axes[1][col].set(xscale="log", xlabel="batch B", ylabel="kernel time / memory floor")
+        axes[1][col].axhline(1.0, color="gray", lw=0.8)
+        axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def knobs_of(exp: dict, smoke: bool, device: torch.device) -> dict:
+    """Experiment knobs; the smoke shape set when smoke=true or there is no GPU."""
+    knobs = dict(exp)
+    if smoke or device.type != "cuda":
+        knobs.update(knobs.pop("smoke_shapes"))
+        knobs.update(compile_ref=False, graph_replays=0)
+    return knobs
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FlashSpecError("hardware.device=cuda but no GPU is visible; use hardware=cpu")
+    if name != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")          # before the kernels are defined
+        warnings.filterwarnings("ignore", category=RuntimeWarning)   # numpy log(0) = -inf
+    return torch.device(name)
+
+
+def run(cfg: Any) -> dict:
+    """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
+    from omegaconf import OmegaConf
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    device = pick_device(conf["hardware"]["device"])
+    lg = conf["logger"]
+    logger = WandbLogger(mode=lg["mode"], project=lg["project"], entity=lg.get("entity"),
+                         group=lg.get("group"), tags=list(lg.get("tags") or []),
+                         name=f"kernel_bench_{conf['hardware']['name']}", config=conf,
+                         dir=conf["output_dir"])
+    try:
+        knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)
+        summary = bench(knobs, device, float(conf["hardware"]["mem_bandwidth_gbs"]),
+                        Path(conf["output_dir"]), conf, int(conf["seed"]), logger)
+    finally:
+        logger.finish()
+    _gate(summary)
+    return summary
+
+
+def _gate(summary: dict) -> None:
+    """Fail loudly (after the records are written) if kernel and reference ever disagreed."""
+    if not summary["all_identical"]:
+        raise AssertionError("kernel and reference outputs differ for some shape; see records")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plain entry without Hydra: reads the YAML configs with PyYAML."""
+    import yaml
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--commit", default=None, help="source commit, where the box has no git")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
+                    help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
+    args = ap.parse_args(argv)
+    exp = yaml.safe_load((ROOT / "conf/experiment/kernel_bench.yaml").read_text())
+    hw = yaml.safe_load((ROOT / f"conf/hardware/{args.hardware}.yaml").read_text())
+    for kv in args.set:
+        key, _, val = kv.partition("=")
+        exp[key] = yaml.safe_load(val)
+    device = pick_device(hw["device"])
+    conf = {"experiment": exp, "hardware": hw, "seed": args.seed, "smoke": args.smoke,
+            "output_dir": str(args.out), "entry": "python -m experiments.kernel_bench",
+            "source_commit": args.commit}
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = bench(knobs_of(exp, args.smoke, device), device, float(hw["mem_bandwidth_gbs"]),
+                    args.out, conf, args.seed)
+    print(summary)
+    _gate(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
