@@ -213,8 +213,9 @@ def test_invalid_input_raises_on_cpu_and_poisons_rows(bad):
         temps[2] = -1.0
     else:
         drafts[2, 0] = 64
-    with pytest.raises((FloatingPointError, ValueError, RuntimeError, IndexError)):
-        reference.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
+    if not (DEVICE.type == "cuda" and bad == "token"):   # a CUDA gather OOB kills the context
+        with pytest.raises((FloatingPointError, ValueError, RuntimeError, IndexError)):
+            reference.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
     if DEVICE.type == "cpu":                             # no host sync on CUDA: rows poisoned
         with pytest.raises(FloatingPointError):
             tb.verify(x, drafts, q, SamplingParams(1.0), 3, temperature=temps)
