@@ -15,5 +15,5 @@ timeout "${BENCH_TIMEOUT:-420}" python3 -m experiments.kernel_bench --out "$OUT"
   --commit "${COMMIT:-unknown}" --set time_budget_s="${COMPILE_BUDGET:-200}" ${BENCH_ARGS:-} \
   2>&1 | tee "$OUT/bench.log"
 TRITON_INTERPRET=0 FLASHSPEC_TRITON_EXAMPLES="${EXAMPLES:-12}" timeout "${TEST_TIMEOUT:-150}" \
-  python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider tests/test_triton_verify.py \
+  python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider -k "${TESTS_K:-}" tests/test_triton_verify.py \
   2>&1 | tail -40 | tee "$OUT/pytest.log"
