@@ -196,6 +196,18 @@ def test_distillation_lowers_heldout_kl_on_smollm2(smol_states):
     assert m["full_mass_kept"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_bench_rotates_weight_copies_and_sizes_them_past_the_cache():
+    from flashspec.heads.bench import Variant, n_copies
+    seen: list[int] = []
+    copies = [lambda x, i=i: seen.append(i) for i in range(3)]
+    v = Variant("lowrank_d/8", "lowrank", 6, None, 8, copies, 100, 10)
+    for _ in range(7):
+        v(torch.zeros(1))
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+    assert n_copies(10 << 20, 64 << 20, 64) == 7 and n_copies(1 << 30, 64 << 20, 64) == 1
+    assert n_copies(1, 64 << 20, 64) == 64
+
+
 def test_head_bench_smoke_through_hydra(tmp_path):
     cmd = [sys.executable, "run.py", "experiment=head_bench", "smoke=true", "logger=disabled",
            f"hydra.run.dir={tmp_path}"]

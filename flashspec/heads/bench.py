@@ -76,6 +76,12 @@ class Variant:
     copies: list[Callable[[torch.Tensor], torch.Tensor]]
     weight_bytes: int
     flops_per_token: int
+    calls: int = 0                    # rotation counter: call i uses copy i mod len(copies)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.copies[self.calls % len(self.copies)](x)
+        self.calls += 1
+        return out
 
 
 def last_level_cache_bytes(device: str) -> int:
@@ -149,12 +155,11 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def _sample(v: Variant, x: torch.Tensor, inner: int, state: list[int], timer: Timer) -> float:
-    """Per-call seconds of ``inner`` consecutive calls, each on the next weight copy."""
+def _sample(v: Variant, x: torch.Tensor, inner: int, timer: Timer) -> float:
+    """Per-call seconds of ``inner`` consecutive calls, each on the variant's next weight copy."""
     def body() -> None:
         for _ in range(inner):
-            v.copies[state[0] % len(v.copies)](x)
-            state[0] += 1
+            v(x)
     return timer(body) / inner
 
 
@@ -166,11 +171,11 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
     flush = int(cfg.flush_factor * last_level_cache_bytes(cfg.device))
     variants = _variants(d, vocab, cfg, dtype, flush, gen)
     x = torch.randn(batch, d, generator=gen).to(cfg.device, dtype)
-    timer, state = Timer(cfg.device), [0]
+    timer = Timer(cfg.device)
     with torch.inference_mode():
         inner = {}
         for v in variants:  # warm-up, and calls per sample so a sample lasts min_sample_s
-            once = min(_sample(v, x, 1, state, timer) for _ in range(max(1, cfg.warmup)))
+            once = min(_sample(v, x, 1, timer) for _ in range(max(1, cfg.warmup)))
             inner[v.name] = max(1, min(64, math.ceil(cfg.min_sample_s / max(once, 1e-9))))
         times: dict[str, list[float]] = {v.name: [] for v in variants}
         order = list(range(len(variants)))
@@ -181,7 +186,7 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
             rng.shuffle(order)
             for i in order:
                 v = variants[i]
-                times[v.name].append(_sample(v, x, inner[v.name], state, timer))
+                times[v.name].append(_sample(v, x, inner[v.name], timer))
             rounds += 1
             spent = time.perf_counter() - t_start
             if progress:
