@@ -13,7 +13,7 @@ from typing import Any
 from flashspec.heads.bench import BenchConfig, main, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
-         "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads")
+         "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout")
 
 
 def bench_config(cfg: Any) -> BenchConfig:
@@ -21,7 +21,9 @@ def bench_config(cfg: Any) -> BenchConfig:
     exp, hw = cfg.experiment, cfg.hardware
     dtype = exp.get("dtype") or hw.get("dtype")
     if cfg.get("smoke"):
-        return BenchConfig.smoke(hw.device, dtype)
+        smoke = BenchConfig.smoke(hw.device, dtype)
+        smoke.layout = exp.get("layout") or smoke.layout
+        return smoke
     knobs = {k: exp[k] for k in KNOBS if exp.get(k) is not None}
     knobs = {k: list(v) if k in ("batches", "rank_divs") else v for k, v in knobs.items()}
     shapes = [tuple(int(x) for x in s) for s in exp.shapes]

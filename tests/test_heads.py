@@ -153,6 +153,24 @@ def test_save_load_round_trip(weight, tmp_path):
     assert counts.tolist() == [0, 4, 1] and meta["total"] == 5
 
 
+def test_in_out_layout_same_logits_transposed_storage(weight, tmp_path):
+    h = torch.randn(4, 48, dtype=torch.float64)
+    low = LowRankHead.from_svd(weight, 6)
+    for head, ref in ((FullHead(weight, "in_out"), FullHead(weight)),
+                      (LowRankHead.from_svd(weight, 6, layout="in_out"), low),
+                      (TruncatedHead(weight, [4, 8, 15], 300, layout="in_out"),
+                       TruncatedHead(weight, [4, 8, 15], 300))):
+        assert head.describe()["layout"] == "in_out" and ref.describe()["layout"] == "out_in"
+        torch.testing.assert_close(head(h), ref(h), rtol=1e-12, atol=1e-12)
+    back, meta = load_head(save_head(LowRankHead.from_svd(weight, 6, layout="in_out"),
+                                     tmp_path / "io.safetensors"))
+    assert meta["layout"] == "in_out" and back.describe()["layout"] == "in_out"
+    assert build_head({"kind": "lowrank", "rank": 6, "layout": "in_out"}, weight
+                      ).describe()["layout"] == "in_out"
+    with pytest.raises(FlashSpecError):
+        FullHead(weight, "diagonal")
+
+
 def test_distill_rejects_overlapping_prompt_ids(weight):
     head = LowRankHead.from_svd(weight.float(), 4)
     with pytest.raises(FlashSpecError):

@@ -12,6 +12,7 @@ or ``python -m experiments.head_bench`` (same CLI).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -51,6 +52,7 @@ class BenchConfig:
     max_copies: int = 64
     truncated_kept: bool = True       # also time the k-logit output (no -inf fill)
     threads: int | None = None        # CPU intra-op threads (None: torch's default)
+    layout: str = "out_in"            # weight storage of every head: out_in (nn.Linear) | in_out
     seed: int = 0
 
     def resolved_dtype(self) -> str:
@@ -118,7 +120,7 @@ def _variants(d: int, vocab: int, cfg: BenchConfig, dtype: torch.dtype, flush: i
 
     def full_copy() -> FullHead:  # the first copy is full_w itself, later ones are clones
         made[0] += 1
-        return FullHead(full_w if made[0] == 1 else full_w.clone())
+        return FullHead(full_w if made[0] == 1 else full_w.clone(), cfg.layout)
 
     out = [make("full", "full", None, None, None, full_copy)]
     for div in cfg.rank_divs:
@@ -126,13 +128,13 @@ def _variants(d: int, vocab: int, cfg: BenchConfig, dtype: torch.dtype, flush: i
         k = equal_cost_keep(r, vocab, d)
         out.append(make(f"lowrank_d/{div}", "lowrank", r, None, div, lambda: LowRankHead(
             (torch.randn(r, d, generator=gen) * 0.05).to(dev, dtype),
-            (torch.randn(vocab, r, generator=gen) * 0.05).to(dev, dtype))))
+            (torch.randn(vocab, r, generator=gen) * 0.05).to(dev, dtype), cfg.layout)))
         ids = torch.randperm(vocab, generator=gen)[:k].sort().values
         out.append(make(f"truncated_d/{div}", "truncated", None, k, div,
-                        lambda: TruncatedHead(full_w, ids, vocab)))
+                        lambda: TruncatedHead(full_w, ids, vocab, layout=cfg.layout)))
         if cfg.truncated_kept:
             out.append(make(f"truncated_d/{div}_kept", "truncated_kept", None, k, div,
-                            lambda: TruncatedHead(full_w, ids, vocab)))
+                            lambda: TruncatedHead(full_w, ids, vocab, layout=cfg.layout)))
     return out
 
 
@@ -220,7 +222,7 @@ def _records(d: int, vocab: int, batch: int, cfg: BenchConfig, variants: list[Va
             "flush_bytes": flush, "nu": statistics.median(t) / full_med,
             "nu_paired": statistics.median(paired), "nu_paired_p25": _q(paired, 0.25),
             "nu_paired_p75": _q(paired, 0.75), "device": cfg.device,
-            "dtype": cfg.resolved_dtype(), "threads": None if cfg.device.startswith("cuda")
+            "dtype": cfg.resolved_dtype(), "layout": cfg.layout, "threads": None if cfg.device.startswith("cuda")
             else torch.get_num_threads(), "loadavg_1m": _loadavg(),
         })
     return out
@@ -294,7 +296,8 @@ def plot_nu(records: Iterable[dict[str, Any]], path: str | Path) -> Path | None:
         ideal = sorted({(r["rank"], r["ideal_nu"]) for r in rows if r["ideal_nu"]})
         if ideal:
             ax.plot(*zip(*ideal), "k:", label="bytes ratio r(V+d)/(Vd)")
-        ax.set(xscale="log", yscale="log", title=shape, xlabel="rank r (truncation: equal-cost k)",
+        layouts = "/".join(sorted({str(r.get("layout", "out_in")) for r in rows}))
+        ax.set(xscale="log", yscale="log", title=f"{shape} ({layouts})", xlabel="rank r (truncation: equal-cost k)",
                ylabel="ν = latency / full-head latency")
         ranks = sorted({d // r["rank_div"] for r in rows})
         ax.set_xticks(ranks, [str(r) for r in ranks])
@@ -329,6 +332,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=20.0)
     p.add_argument("--min-rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
+    p.add_argument("--layout", default="out_in", choices=["out_in", "in_out"],
+                   help="weight storage: out_in = nn.Linear [out, in] row-major; in_out = transposed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a few seconds, smallest shape")
     return p.parse_args(argv)
@@ -336,12 +341,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.smoke:
-        return BenchConfig.smoke(a.device, a.dtype)
+        return dataclasses.replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout)
     shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes] if a.shapes
               else [tuple(s) for s in SHAPES])
     return BenchConfig(shapes=shapes, batches=a.batches, rank_divs=a.rank_divs, device=a.device,
                        dtype=a.dtype, budget_s=a.budget_s, min_rounds=a.min_rounds,
-                       threads=a.threads, seed=a.seed)
+                       threads=a.threads, layout=a.layout, seed=a.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

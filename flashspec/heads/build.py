@@ -59,7 +59,8 @@ def resolve_keep(keep: int | float | str | None, vocab: int, hidden: int) -> int
 def build_head(cfg_head: Mapping[str, Any], full_weight: torch.Tensor,
                hidden_size: int | None = None, frequencies: torch.Tensor | None = None,
                always_keep: Iterable[int] = (), calibration: torch.Tensor | None = None) -> Head:
-    """The head described by ``cfg_head`` (kind, rank, init, checkpoint, keep, frequencies).
+    """The head described by ``cfg_head`` (kind, rank, init, checkpoint, keep, frequencies,
+    layout: 'out_in' (nn.Linear storage, default) or 'in_out' (transposed storage).
 
     ``full_weight`` [V, d] is the drafter's own head. For truncation, token ``frequencies`` [V]
     (measured on target-generated text) come from the argument or the ``frequencies`` file.
@@ -73,12 +74,13 @@ def build_head(cfg_head: Mapping[str, Any], full_weight: torch.Tensor,
         raise FlashSpecError(f"hidden_size={hidden_size} does not match the head weight's d={hidden}")
     if kind not in KINDS:
         raise FlashSpecError(f"head.kind={kind!r} unknown; choose one of {', '.join(KINDS)}")
+    layout = cfg_head.get("layout", "out_in") or "out_in"
     if kind == "full":
-        head: Head = FullHead(full_weight)
+        head: Head = FullHead(full_weight, layout)
     elif kind == "lowrank":
-        head = _lowrank(cfg_head, full_weight, hidden, calibration)
+        head = _lowrank(cfg_head, full_weight, hidden, calibration, layout)
     else:
-        head = _truncated(cfg_head, full_weight, frequencies, always_keep)
+        head = _truncated(cfg_head, full_weight, frequencies, always_keep, layout)
     head = head.to(device=full_weight.device, dtype=full_weight.dtype)
     log.info("drafter head: %s", head.describe())
     return head
@@ -93,12 +95,12 @@ def _path(value: Any) -> Path:
 
 
 def _lowrank(cfg: Mapping[str, Any], weight: torch.Tensor, hidden: int,
-             calibration: torch.Tensor | None) -> LowRankHead:
+             calibration: torch.Tensor | None, layout: str) -> LowRankHead:
     rank = resolve_rank(cfg.get("rank"), hidden)
     log.info("head.rank=%s resolves to r=%d (d=%d)", cfg.get("rank"), rank, hidden)
     checkpoint = cfg.get("checkpoint")
     if checkpoint:
-        head, meta = load_head(_path(checkpoint))
+        head, meta = load_head(_path(checkpoint), layout=layout)
         if not isinstance(head, LowRankHead) or head.rank != rank:
             raise FlashSpecError(f"checkpoint {checkpoint} holds {meta.get('kind')} rank "
                                  f"{meta.get('rank')}, but head.rank resolves to {rank}")
@@ -113,11 +115,11 @@ def _lowrank(cfg: Mapping[str, Any], weight: torch.Tensor, hidden: int,
     if init == "asvd" and calibration is None:
         raise FlashSpecError("head.init=asvd needs calibration hidden states of the drafter; "
                              "pass calibration= or use head.init=svd")
-    return LowRankHead.from_svd(weight, rank, calibration if init == "asvd" else None)
+    return LowRankHead.from_svd(weight, rank, calibration if init == "asvd" else None, layout)
 
 
 def _truncated(cfg: Mapping[str, Any], weight: torch.Tensor, freqs: torch.Tensor | None,
-               always_keep: Iterable[int]) -> TruncatedHead:
+               always_keep: Iterable[int], layout: str) -> TruncatedHead:
     vocab, hidden = weight.shape
     keep = resolve_keep(cfg.get("keep"), vocab, hidden)
     log.info("head.keep=%s resolves to k=%d of V=%d", cfg.get("keep"), keep, vocab)
@@ -128,4 +130,5 @@ def _truncated(cfg: Mapping[str, Any], weight: torch.Tensor, freqs: torch.Tensor
                                  "head.frequencies to a file from `python scripts/distill_head.py`")
         freqs, _ = load_frequencies(_path(path))
     extra = list(always_keep) + list(cfg.get("always_keep") or [])
-    return TruncatedHead.from_frequencies(weight, freqs.cpu(), keep, always_keep=extra)
+    return TruncatedHead.from_frequencies(weight, freqs.cpu(), keep, always_keep=extra,
+                                          layout=layout)

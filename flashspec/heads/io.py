@@ -60,8 +60,10 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 def load_head(path: str | Path, device: str | torch.device = "cpu",
-              dtype: torch.dtype | None = None) -> tuple[Head, dict[str, Any]]:
-    """(head, metadata) from a file written by :func:`save_head`."""
+              dtype: torch.dtype | None = None, layout: str | None = None
+              ) -> tuple[Head, dict[str, Any]]:
+    """(head, metadata) from a file written by :func:`save_head` (``layout``: the saved one
+    unless given)."""
     path = _existing(path)
     with safe_open(str(path), framework="pt", device=str(device)) as f:
         meta = _decode(f.metadata() or {})
@@ -70,13 +72,14 @@ def load_head(path: str | Path, device: str | torch.device = "cpu",
         raise FlashSpecError(f"{path} is not a FlashSpec head file (format {meta.get('format')!r})")
     cast = (lambda x: x.to(dtype)) if dtype is not None else (lambda x: x)
     kind = meta.get("kind")
+    lay = layout or meta.get("layout") or "out_in"
     if kind == "lowrank":
-        head: Head = LowRankHead(cast(t["w_down"]), cast(t["w_up"]))
+        head: Head = LowRankHead(cast(t["w_down"]), cast(t["w_up"]), lay)
     elif kind == "truncated":
         head = TruncatedHead(cast(t["weight"]), t["keep_ids"], int(meta["vocab_size"]),
-                             kept_rows=True)
+                             kept_rows=True, layout=lay)
     elif kind == "full":
-        head = FullHead(cast(t["weight"]))
+        head = FullHead(cast(t["weight"]), lay)
     else:
         raise FlashSpecError(f"{path} holds an unknown head kind {kind!r}")
     return head, meta

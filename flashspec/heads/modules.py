@@ -15,8 +15,27 @@ from torch import nn
 from flashspec.errors import FlashSpecError
 
 
+LAYOUTS = ("out_in", "in_out")
+
+
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A weight [out, in] stored row-major ('out_in', nn.Linear's layout) or column-major
+    ('in_out': the [in, out] transpose is contiguous). Same values and shape either way; the
+    storage picks the GEMM/GEMV kernel (on CPU, 'in_out' is much faster at small batch for
+    skinny matrices). No copy when ``t`` already has the layout."""
+    if layout == "out_in":
+        return t.contiguous()
+    if layout == "in_out":
+        return t.T.contiguous().T
+    raise FlashSpecError(f"head.layout={layout!r} unknown; choose one of {', '.join(LAYOUTS)}")
+
+
+def layout_of(t: torch.Tensor) -> str:
+    return "in_out" if t.dim() == 2 and t.T.is_contiguous() and not t.is_contiguous() else "out_in"
 
 
 class FullHead(nn.Module):
@@ -24,11 +43,12 @@ class FullHead(nn.Module):
 
     kind = "full"
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, layout: str = "out_in") -> None:
         super().__init__()
         if weight.dim() != 2:
             raise FlashSpecError(f"head weight must be [V, d], got shape {tuple(weight.shape)}")
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # shares storage
+        # shares storage with ``weight`` (e.g. tied embeddings) when it already has the layout
+        self.weight = nn.Parameter(laid_out(weight.detach(), layout), requires_grad=False)
 
     @property
     def vocab_size(self) -> int:
@@ -52,7 +72,7 @@ class FullHead(nn.Module):
     def describe(self) -> dict:
         return {"kind": self.kind, "rank": None, "keep": None, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "weight_bytes": self.weight_bytes(),
-                "flops_per_token": self.flops_per_token()}
+                "flops_per_token": self.flops_per_token(), "layout": layout_of(self.weight)}
 
 
 class LowRankHead(nn.Module):
@@ -60,19 +80,19 @@ class LowRankHead(nn.Module):
 
     kind = "lowrank"
 
-    def __init__(self, w_down: torch.Tensor, w_up: torch.Tensor) -> None:
+    def __init__(self, w_down: torch.Tensor, w_up: torch.Tensor, layout: str = "out_in") -> None:
         super().__init__()
         if w_down.dim() != 2 or w_up.dim() != 2 or w_down.shape[0] != w_up.shape[1]:
             raise FlashSpecError(f"low-rank head needs w_down [r, d] and w_up [V, r]; got "
                                  f"{tuple(w_down.shape)} and {tuple(w_up.shape)}")
         check_rank(w_down.shape[0], w_down.shape[1])
-        # row-major (shares storage with contiguous arguments): the layout picks the GEMM path
-        self.w_down = nn.Parameter(w_down.detach().contiguous())
-        self.w_up = nn.Parameter(w_up.detach().contiguous())
+        # shares storage with arguments already in ``layout``; the layout picks the GEMM path
+        self.w_down = nn.Parameter(laid_out(w_down.detach(), layout))
+        self.w_up = nn.Parameter(laid_out(w_up.detach(), layout))
 
     @classmethod
-    def from_svd(cls, weight: torch.Tensor, rank: int,
-                 calibration: torch.Tensor | None = None) -> "LowRankHead":
+    def from_svd(cls, weight: torch.Tensor, rank: int, calibration: torch.Tensor | None = None,
+                 layout: str = "out_in") -> "LowRankHead":
         """Training-free init from a truncated SVD of the full head W [V, d].
 
         Without ``calibration`` this is the best rank-r approximation of W (Eckart-Young).
@@ -91,7 +111,7 @@ class LowRankHead(nn.Module):
         root = s[:rank].sqrt()
         w_up = (u[:, :rank] * root).to(weight.dtype)
         w_down = (root[:, None] * vh[:rank]).to(weight.dtype)
-        return cls(w_down, w_up)
+        return cls(w_down, w_up, layout)
 
     @property
     def rank(self) -> int:
@@ -117,7 +137,7 @@ class LowRankHead(nn.Module):
     def describe(self) -> dict:
         return {"kind": self.kind, "rank": self.rank, "keep": None, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "weight_bytes": self.weight_bytes(),
-                "flops_per_token": self.flops_per_token()}
+                "flops_per_token": self.flops_per_token(), "layout": layout_of(self.w_up)}
 
 
 class TruncatedHead(nn.Module):
@@ -131,7 +151,8 @@ class TruncatedHead(nn.Module):
     kind = "truncated"
 
     def __init__(self, weight: torch.Tensor, keep_ids: Sequence[int] | torch.Tensor,
-                 vocab_size: int | None = None, *, kept_rows: bool = False) -> None:
+                 vocab_size: int | None = None, *, kept_rows: bool = False,
+                 layout: str = "out_in") -> None:
         super().__init__()
         vocab = int(vocab_size if vocab_size is not None else weight.shape[0])
         ids = torch.as_tensor(keep_ids, dtype=torch.long, device=weight.device).flatten()
@@ -141,19 +162,20 @@ class TruncatedHead(nn.Module):
             raise FlashSpecError(f"truncated head weight has shape {tuple(weight.shape)}; "
                                  f"expected [{expected}, d]")
         rows = weight if kept_rows else weight[ids]
-        self.weight = nn.Parameter(rows.detach(), requires_grad=False)
+        self.weight = nn.Parameter(laid_out(rows.detach(), layout), requires_grad=False)
         self.register_buffer("keep_ids", ids.clone())
         self._vocab = vocab
 
     @classmethod
     def from_frequencies(cls, weight: torch.Tensor, freqs: torch.Tensor, k: int,
-                         always_keep: Iterable[int] = ()) -> "TruncatedHead":
+                         always_keep: Iterable[int] = (), layout: str = "out_in"
+                         ) -> "TruncatedHead":
         """Keep the k most frequent ids (ties: lower id first), plus ``always_keep`` (e.g. EOS)."""
         vocab = weight.shape[0]
         if freqs.numel() != vocab:
             raise FlashSpecError(f"frequencies cover {freqs.numel()} ids but the head has V={vocab}")
         ids = top_ids(freqs, k, always_keep)
-        return cls(weight, ids, vocab)
+        return cls(weight, ids, vocab, layout=layout)
 
     @property
     def keep(self) -> int:
@@ -185,7 +207,7 @@ class TruncatedHead(nn.Module):
     def describe(self) -> dict:
         return {"kind": self.kind, "rank": None, "keep": self.keep, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "weight_bytes": self.weight_bytes(),
-                "flops_per_token": self.flops_per_token()}
+                "flops_per_token": self.flops_per_token(), "layout": layout_of(self.weight)}
 
 
 Head = FullHead | LowRankHead | TruncatedHead
