@@ -5,9 +5,11 @@ counter-based random numbers, so both return the same tokens and counts for the 
 (up to float rounding of the log-sum-exp, which can only matter when a log-space accept test
 or the race is decided by less than ~1e-6). No host synchronisation happens inside on CUDA:
 the seed may be a device int64 scalar, and invalid input cannot raise there. Instead a row
-whose logits hold NaN or +inf (or are all -inf), whose temperature is negative, or whose
-draft token is outside [0, V) is *poisoned*: n_accepted = -1 and every output token -1. On
-CPU tensors (TRITON_INTERPRET=1) poisoned rows raise FloatingPointError like the reference.
+whose logits hold NaN or +inf (or are all -inf, or overflow when divided by T), whose
+temperature is negative, or whose draft token is outside [0, V) is *poisoned*:
+n_accepted = -1 and every output token -1; the engine checks ``n_accepted.min() < 0`` when
+it reads the counts anyway. On CPU tensors (TRITON_INTERPRET=1) poisoned rows raise
+FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
 top-p < 1, top-k > 256, dtypes other than bf16/fp16/fp32, V >= 2^24, CPU tensors without
@@ -63,7 +65,7 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
     """Chunking: on the GPU enough programs to fill it at B=1; in the interpreter few, big ones."""
     if interpret:
         block = min(_next_pow2(vocab), 32768)
-        rows = max(1, min(_next_pow2(batch), (1 << 18) // block, 64))
+        rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
         return Plan(rows, block, block, block, block, 4, 4)
     positions = batch * (gamma + 1)
     chunk = 1024
