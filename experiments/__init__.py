@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import importlib
 import sys
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from flashspec.errors import FlashSpecError
 
+if TYPE_CHECKING:  # the GPU machine runs plain `python -m experiments.<name>` without omegaconf
+    from omegaconf import DictConfig
 
-def run_experiment(cfg: DictConfig) -> dict:
+
+def run_experiment(cfg: "DictConfig") -> dict:
     """Import experiments.<cfg.experiment.name> and run it; bad input exits 2 with one line."""
     name = cfg.experiment.name
     try:

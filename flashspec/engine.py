@@ -147,7 +147,11 @@ class SpecEngine:
                                  call_seed(self.seed, self.calls))
         self.calls += 1
         host = torch.cat([out, n_acc[:, None].to(out.dtype)], dim=1).tolist()  # the one host read
-        return [row[:-1] for row in host], [int(row[-1]) for row in host]
+        counts = [int(row[-1]) for row in host]
+        if min(counts) < 0:  # the GPU kernel flags NaN/inf logits or bad drafts without a sync
+            raise FloatingPointError("verify rejected a row: NaN/inf logits or an out-of-range "
+                                     "draft token; refusing to emit tokens")
+        return [row[:-1] for row in host], counts
 
     def _commit(self, state: DecodeState, out: list[list[int]], n_acc: list[int],
                 budgets: list[int]) -> list[int]:
