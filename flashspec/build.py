@@ -75,6 +75,9 @@ def build_drafter(spec: Mapping[str, Any], target: LlamaLM, tokenizer, cfg_hardw
                                 device=cfg_hardware["device"])
         check_shared_vocab(name, tokenizer, tok, target, model)
         return ModelDrafter(model, None, head=make_head(cfg_head, model), name=name)
+    if kind == "eagle":  # feature-level drafter from experiment=train_drafter
+        from flashspec.drafters.eagle import EagleDrafter
+        return EagleDrafter.from_spec(spec, target, cfg_head)
     raise FlashSpecError(f"unknown drafter kind {kind!r} for {name!r}; choose one of {DRAFTER_KINDS}")
 
 

@@ -1,0 +1,65 @@
+"""experiment=train_drafter: self-distil an EAGLE-style drafter from the target's own generations.
+
+Data (cached under .cache/eagle_data): the target samples (T ≈ 1) continuations of the `train`
+split prompts of HumanEval, GSM8K and MT-Bench through SpecEngine; training fits the drafter to
+the target's features and next-token distributions (KL + feature regression, unrolled on its own
+predictions); greedy τ (γ=4) on held-out `eval` prompts picks the best checkpoint
+(``eagle_best.safetensors`` + ``.json`` provenance in the run dir; ``experiment.export`` copies it).
+
+Regenerate the committed checkpoint (CPU, ~25 min training once the data is cached):
+
+    python run.py experiment=train_drafter logger=wandb_offline \
+        experiment.export=checkpoints/smollm2_eagle.safetensors
+
+Without Hydra/W&B (e.g. on a GPU box): ``python -m experiments.train_drafter --device cuda
+--out DIR [--steps N --batch-tokens N --set train.unroll=3 ...]`` (or ``python -m
+flashspec.training``, which does not import the experiments package).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flashspec.training.cli import SMOKE_DATA, SMOKE_TRAIN, main
+
+
+def run(cfg) -> dict[str, Any]:
+    """Hydra entry: target/hardware/head/logger from their groups, knobs from cfg.experiment."""
+    import torch
+    from omegaconf import OmegaConf
+    from flashspec.build import build_target, make_head
+    from flashspec.data import repo_root
+    from flashspec.records import WandbLogger, provenance
+    from flashspec.training.run import JobOptions, data_spec, run_job, train_config
+
+    exp = OmegaConf.to_container(cfg.experiment, resolve=True)
+    if exp.get("threads"):
+        torch.set_num_threads(int(exp["threads"]))
+    data = {"seed": int(cfg.seed), **exp["data"], **(SMOKE_DATA if cfg.smoke else {})}
+    tr = {"seed": int(cfg.seed), **exp["train"], **(SMOKE_TRAIN if cfg.smoke else {})}
+    out = Path(cfg.output_dir)
+    cache = out / "eagle_data" if cfg.smoke else _path(exp.get("cache_dir") or ".cache/eagle_data",
+                                                       repo_root())
+    opts = JobOptions(data=data_spec(data), train=train_config(tr), out_dir=out, cache_dir=cache,
+                      source=str(cfg.target.source), save_dtype=exp.get("save_dtype", "float16"),
+                      export=None if cfg.smoke else exp.get("export"),
+                      train_head=bool(exp.get("train_head", False)))
+    target, tokenizer = build_target(cfg.target, cfg.hardware)
+    head = make_head(cfg.head, target)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
+                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
+                         name="train_drafter", dir=out)
+    try:
+        return run_job(target, tokenizer, opts, head, logger, provenance(resolved, int(cfg.seed)))
+    finally:
+        logger.finish()
+
+
+def _path(value: str, root: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else root / path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Feature-level (EAGLE-style) drafter: a small decoder over the target's own hidden states.
+
+Layout ("slot" = token position): slot s reads ``fc([f_{s-1} ; embed(x_s)])`` where f_p is the
+target's final-normed hidden state at position p (f_{-1} = 0), runs 1-2 Llama decoder blocks
+with their own KV cache, and outputs a predicted feature f̂_s; the LM head (the target's frozen
+shared head, or a low-rank head) turns it into the distribution of x_{s+1}. Drafting is
+autoregressive on predicted features: slot L-1 (true feature f_{L-2}) gives d_1, slot L reads
+(f̂_{L-1}, d_1) and gives d_2, and so on.
+
+Cache sync: slots fed with a true feature and a committed token are valid (``filled``); the
+speculative slots are overwritten at the next step (rollback is bookkeeping only). The target
+features of committed positions come from ``DecodeState.hidden`` (set by the engine after every
+target forward), copied into the drafter's own per-row feature buffer so no target forward is
+ever repeated, even when another arm ran the previous steps.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.errors import FlashSpecError
+from flashspec.models.llama import Block, KVCache, LlamaLM, LlamaShape, RMSNorm
+from flashspec.verify.sampling import SamplingParams, sample
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Architecture of the drafter module (the target supplies d, heads, V and RoPE)."""
+
+    n_layers: int = 1
+    out_norm: bool = False      # an RMSNorm on the predicted feature (EAGLE-1 has none)
+    fc_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_layers <= 4:
+            raise FlashSpecError(f"eagle n_layers={self.n_layers}; use 1 or 2 (at most 4)")
+
+
+def drafter_shape(target: LlamaShape, n_layers: int) -> LlamaShape:
+    """The target's block shape with ``n_layers`` layers (one own KV cache for all of them)."""
+    return replace(target, num_layers=n_layers)
+
+
+class EagleModule(nn.Module):
+    """fc([feature ; token embedding]) -> decoder blocks -> predicted feature."""
+
+    def __init__(self, shape: LlamaShape, config: EagleConfig = EagleConfig()) -> None:
+        super().__init__()
+        self.config = config
+        self.shape = drafter_shape(shape, config.n_layers)
+        d = shape.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
+        self.layers = nn.ModuleList(Block(i, self.shape) for i in range(config.n_layers))
+        self.norm = RMSNorm(d, shape.rms_eps) if config.out_norm else None
+
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Llama-style init: N(0, std) matrices, zero biases, unit norms."""
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=std, generator=generator)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache(list(range(self.config.n_layers)), batch, capacity, self.shape, dtype, device)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                mask: torch.Tensor, cache: KVCache | None = None, span: int | None = None
+                ) -> torch.Tensor:
+        """Predicted features [B, n, d] for slots with (previous feature, token embedding)."""
+        x = self.fc(torch.cat([features.to(embeds.dtype), embeds], dim=-1))
+        span = positions.shape[1] if span is None else span
+        for block in self.layers:
+            x = block(x, rope, positions, cache, mask, span)
+        return self.norm(x) if self.norm is not None else x
+
+
+class EagleDrafter(Drafter):
+    """Drafts γ tokens per row from the target's features with an :class:`EagleModule`."""
+
+    uses_hidden = True
+
+    def __init__(self, target: LlamaLM, module: EagleModule, head: nn.Module | None = None,
+                 name: str = "eagle") -> None:
+        if module.shape.hidden_size != target.shape.hidden_size:
+            raise FlashSpecError(f"eagle drafter has d={module.shape.hidden_size}, the target "
+                                 f"d={target.shape.hidden_size}; train one for this target")
+        self.target, self.module, self.name = target, module, name
+        self.head = head if head is not None else target.lm_head
+        self.cache: KVCache | None = None
+        self.feats: torch.Tensor | None = None   # [B, capacity + 2, d]: f_{p} at column p + 1
+        self.filled: list[int] = []
+        self.known: list[int] = []               # features f_0 .. f_{known-1} are stored
+
+    # ------------------------------------------------------------------ state
+    def reset(self, batch: int, capacity: int) -> None:
+        dev, dt = self.target.device, self.target.dtype
+        if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
+            self.cache = self.module.new_cache(batch, capacity, dt, dev)
+            self.feats = torch.zeros(batch, capacity + 2, self.target.shape.hidden_size,
+                                     dtype=dt, device=dev)
+        self.feats.zero_()
+        self.filled, self.known = [0] * batch, [0] * batch
+
+    def _absorb(self, state: DecodeState) -> None:
+        """Copy the committed columns of ``state.hidden`` into the feature buffer (idempotent)."""
+        if state.hidden is None or not any(state.hidden_valid):
+            return
+        hidden, width = state.hidden, state.hidden.shape[1]
+        dump = self.feats.shape[1] - 1
+        cols = torch.arange(width)
+        idx = torch.tensor(state.hidden_start)[:, None] + 1 + cols
+        valid = cols[None] < torch.tensor(state.hidden_valid)[:, None]
+        idx = torch.where(valid, idx.clamp(max=dump - 1), torch.full_like(idx, dump))
+        idx = idx.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
+        self.feats.scatter_(1, idx, hidden.to(self.feats.dtype))
+        self.known = [max(k, s + v) if v else k for k, s, v in
+                      zip(self.known, state.hidden_start, state.hidden_valid)]
+
+    def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             span: int) -> torch.Tensor:
+        rope = self.target.rope(positions)
+        mask = LlamaLM.attention_mask(positions, span, True)
+        return self.module(feats, self.target.embed_tokens(tokens), rope, positions, mask,
+                           self.cache, span)
+
+    # ------------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._absorb(state)
+        lengths = state.lengths
+        missing = [b for b, (n, k) in enumerate(zip(lengths, self.known)) if k < n - 1]
+        if missing:
+            raise FlashSpecError(f"eagle drafter lacks target features for rows {missing}; it "
+                                 "must be reset by the engine before the prompt's prefill")
+        width = max(1, max(n - f for n, f in zip(lengths, self.filled)))
+        starts = [max(0, n - width) for n in lengths]
+        tokens, positions = state.window(starts, width)
+        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
+        out = self._run(feats, tokens, positions, max(lengths))
+        rows = torch.arange(state.batch, device=state.device)
+        h = out[rows, torch.tensor([n - 1 - s for n, s in zip(lengths, starts)], device=state.device)]
+        last = torch.tensor(lengths, device=state.device)[:, None]
+        drafts, draft_logits = [], []
+        for i in range(gamma):
+            logits = self.head(h)
+            tok, _ = sample(logits, params, generator)
+            drafts.append(tok)
+            draft_logits.append(logits)
+            if i + 1 < gamma:
+                h = self._run(h[:, None], tok[:, None], last + i, max(lengths) + i + 1)[:, 0]
+        self.filled = list(lengths)  # speculative slots used predicted features: never valid
+        return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
+
+    def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
+        self._absorb(state)
+        self.filled = [min(f, n) for f, n in zip(self.filled, state.lengths)]
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], target: LlamaLM,
+                  cfg_head: Mapping[str, Any] | None = None) -> "EagleDrafter":
+        """From a drafter config entry: ``{kind: eagle, checkpoint: path, name: ...}``."""
+        from flashspec.training.checkpoint import load_eagle
+        if not spec.get("checkpoint"):
+            raise FlashSpecError(f"eagle drafter {spec.get('name')!r} needs `checkpoint:` (a file "
+                                 "from `python run.py experiment=train_drafter`)")
+        module, head, _ = load_eagle(_repo_path(spec["checkpoint"]), target)
+        if head is None and cfg_head and (cfg_head.get("kind") or "full") != "full":
+            from flashspec.heads import build_head
+            head = build_head(cfg_head, target.lm_head_weight, target.shape.hidden_size)
+        return cls(target, module, head, name=spec.get("name") or "eagle")
+
+
+def _repo_path(value: Any) -> Path:
+    """A path as given when it exists (or is absolute), else relative to the repository."""
+    path = Path(str(value)).expanduser()
+    if path.is_absolute() or path.exists():
+        return path
+    return Path(__file__).resolve().parents[2] / path
+
+
+def config_dict(config: EagleConfig) -> dict[str, Any]:
+    return asdict(config)

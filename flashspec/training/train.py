@@ -1,0 +1,450 @@
+"""Training loop of the EAGLE-style drafter on target features and target distributions.
+
+Loss per unrolled pass j (pass 0 reads true features; pass j > 0 reads the drafter's own
+predictions of pass j-1, with the attention pattern it meets while drafting — true slots up to
+s-j, its own predicted slots after: EAGLE-3's "training-time test"):
+
+    w_kl · KL(p_target(· | f_s) || q(· | ĥ_s))  +  w_reg · SmoothL1(ĥ_s, f_s)
+
+p_target is the target's exact next-token distribution at s, coarsened to its top-k tokens
+plus one bucket for the rest of the vocabulary (the data stores the top-k log-probs); q is the
+drafter's full-vocabulary softmax through its head, so the KL is exact on that partition. The
+cross-entropy has a hand-written backward (softmax - target) that never materialises more than
+one [M, V] float32 buffer. The same code runs on CPU and CUDA (bf16 autocast on either).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from flashspec.drafters.eagle import EagleConfig, EagleDrafter, EagleModule
+from flashspec.errors import FlashSpecError
+from flashspec.models.llama import LlamaLM
+from flashspec.training.data import DistillData
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and evaluation knobs (architecture: n_layers, out_norm, init)."""
+
+    steps: int = 2000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_tokens: int = 2048        # padded tokens per optimiser step
+    max_len: int = 640              # sequences are cut to their first max_len tokens
+    unroll: int = 2                 # 1 = EAGLE-1; k > 1 also trains on its own k-1 predictions
+    unroll_decay: float = 0.8       # weight of pass j is decay**j
+    detach_unroll: bool = False
+    w_kl: float = 1.0
+    w_reg: float = 1.0
+    noise: float = 0.0              # N(0, noise) added to the true input features
+    loss_on: str = "response"       # response | all : positions that get the KL term
+    amp: str = "bf16"               # bf16 | none
+    val_fraction: float = 0.03
+    eval_every: int = 250
+    eval_prompts: int = 2           # per dataset, from the tail of each eval split
+    eval_new_tokens: int = 48
+    eval_gamma: int = 4
+    log_every: int = 10
+    seed: int = 0
+    time_budget_s: float | None = None  # stop (with the LR schedule finished) after this long
+    n_layers: int = 1
+    out_norm: bool = False
+    init: str = "random"            # random | layer:<i> (copy target block i into every block)
+
+    def __post_init__(self) -> None:
+        if self.loss_on not in ("response", "all"):
+            raise FlashSpecError(f"loss_on={self.loss_on!r}; choose response or all")
+        if self.amp not in ("bf16", "none"):
+            raise FlashSpecError(f"amp={self.amp!r}; choose bf16 or none")
+        if self.unroll < 1 or self.steps < 1 or self.batch_tokens < self.max_len:
+            raise FlashSpecError("need unroll >= 1, steps >= 1 and batch_tokens >= max_len")
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor     # [B, n]
+    feats: torch.Tensor      # [B, n, d] float32: f_s, the target feature at position s
+    valid: torch.Tensor      # [B, n] bool
+    region: torch.Tensor     # [B, n] bool: positions that get the KL term
+    top_ids: torch.Tensor | None = None    # [B, n, k] int64: target's top-k next tokens at s
+    top_logp: torch.Tensor | None = None   # [B, n, k] float32: their log-probabilities
+
+
+@dataclass
+class EvalSet:
+    """Held-out prompts (token ids) per dataset for greedy τ through the engine."""
+
+    prompts: dict[str, list[list[int]]]
+    ids: dict[str, list[str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- module setup
+def build_module(target: LlamaLM, cfg: TrainConfig) -> EagleModule:
+    """A fresh drafter module in float32 on the target's device."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    module = EagleModule(target.shape, EagleConfig(n_layers=cfg.n_layers, out_norm=cfg.out_norm))
+    module.init_weights(generator=gen)
+    if cfg.init.startswith("layer:"):
+        src = target.layers[int(cfg.init.split(":", 1)[1])].state_dict()
+        for block in module.layers:
+            block.load_state_dict({k: v.float() for k, v in src.items()})
+    elif cfg.init != "random":
+        raise FlashSpecError(f"init={cfg.init!r}; choose random or layer:<i>")
+    if module.norm is not None:
+        module.norm.weight.data.copy_(target.norm.weight.float())
+    return module.to(target.device)
+
+
+# ---------------------------------------------------------------------- batching
+def split_val(data: DistillData, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) sequence indices, split by prompt id so samples of a prompt stay together."""
+    seqs = data.meta.get("sequences") or [{"prompt_id": str(i)} for i in range(len(data))]
+    prompts = sorted({s["prompt_id"] for s in seqs})
+    rng = random.Random(f"eagle-val:{seed}")
+    rng.shuffle(prompts)
+    n_val = int(round(fraction * len(prompts))) if len(prompts) > 1 else 0
+    val_ids = set(prompts[:n_val])
+    val = [i for i, s in enumerate(seqs) if s["prompt_id"] in val_ids]
+    return [i for i in range(len(data)) if i not in set(val)], val
+
+
+def batches(data: DistillData, indices: Sequence[int], cfg: TrainConfig, rng: random.Random
+            ) -> list[list[int]]:
+    """One epoch of batches: shuffled, then length-sorted within pools, ≤ batch_tokens padded."""
+    order = list(indices)
+    rng.shuffle(order)
+    out: list[list[int]] = []
+    pool = 32
+    for lo in range(0, len(order), pool):
+        chunk = sorted(order[lo:lo + pool], key=lambda i: min(data.length(i), cfg.max_len))
+        cur: list[int] = []
+        for i in chunk:
+            width = min(data.length(i), cfg.max_len)
+            if cur and (len(cur) + 1) * width > cfg.batch_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(data: DistillData, idx: Sequence[int], cfg: TrainConfig, device) -> Batch:
+    spans = [data.span(i) for i in idx]
+    width = max(min(hi - lo, cfg.max_len) for lo, hi in spans)
+    b, d, k = len(idx), data.features.shape[1], data.top_ids.shape[1]
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    feats = torch.zeros(b, width, d)
+    top_ids = torch.zeros(b, width, k, dtype=torch.long)
+    top_logp = torch.full((b, width, k), -1e4)
+    lens = torch.tensor([min(hi - lo, cfg.max_len) for lo, hi in spans])
+    for r, (lo, _) in enumerate(spans):
+        hi = lo + int(lens[r])
+        tokens[r, :lens[r]] = data.tokens[lo:hi]
+        feats[r, :lens[r]] = data.features[lo:hi].float()
+        top_ids[r, :lens[r]] = data.top_ids[lo:hi].long()
+        top_logp[r, :lens[r]] = data.top_logp[lo:hi].float()
+    pos = torch.arange(width)[None]
+    valid = pos < lens[:, None]
+    prompt = data.n_prompt[list(idx)]
+    region = valid & (pos >= prompt[:, None] - 1) if cfg.loss_on == "response" else valid
+    return Batch(tokens.to(device), feats.to(device), valid.to(device), region.to(device),
+                 top_ids.to(device), top_logp.to(device))
+
+
+# ---------------------------------------------------------------------- forward + loss
+def shift(x: torch.Tensor) -> torch.Tensor:
+    """Slot s reads the feature of position s-1 (zeros at slot 0)."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def unroll_mask(n: int, depth: int, device) -> torch.Tensor:
+    """Bool [1, 1, (depth+1)n, (depth+1)n] over chunks 0..depth (chunk a = pass a's inputs).
+
+    Query (a, s) sees key (0, t) for t <= s - a and key (c, s - a + c) for 1 <= c <= a: the
+    true slots before the a drafted ones, then its own chain of predicted slots.
+    """
+    k = depth + 1
+    a = torch.arange(k, device=device).repeat_interleave(n)
+    s = torch.arange(n, device=device).repeat(k)
+    qa, qs, ka, ks = a[:, None], s[:, None], a[None, :], s[None, :]
+    true_part = (ka == 0) & (ks <= qs - qa)
+    chain = (ka >= 1) & (ka <= qa) & (ks == qs - qa + ka)
+    return (true_part | chain)[None, None]
+
+
+def forward_passes(module: EagleModule, target: LlamaLM, batch: Batch, cfg: TrainConfig,
+                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Predicted features [B, n, d] of every unrolled pass."""
+    b, n = batch.tokens.shape
+    pos = torch.arange(n, device=batch.tokens.device)[None].expand(b, -1)
+    embeds = target.embed_tokens(batch.tokens).float()
+    first = shift(batch.feats)
+    if cfg.noise > 0:
+        noise = torch.randn(first.shape, generator=generator, device="cpu").to(first.device)
+        first = first + cfg.noise * noise
+    inputs, outs = [first], []
+    for j in range(cfg.unroll):
+        if j:
+            prev = outs[-1].detach() if cfg.detach_unroll else outs[-1]
+            inputs.append(shift(prev))
+        k = j + 1
+        p = pos.repeat(1, k)
+        mask = unroll_mask(n, j, pos.device) if j else LlamaLM.attention_mask(pos, n, False)
+        out = module(torch.cat(inputs, 1), embeds.repeat(1, k, 1), target.rope(p), p, mask)
+        outs.append(out[:, j * n:])
+    return outs
+
+
+class TailCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of softmax(x W^T) against a top-k + tail-bucket target.
+
+    loss = -Σ_k p_k log q_k - p_tail log q_tail; with Σ_k p_k + p_tail = 1 its gradient wrt the
+    logits is q - p on the k ids and q (1 - p_tail / q_tail) elsewhere. ``dtype`` is the matmul
+    dtype (bf16 under amp): the [M, V] logits stay in it (every [M, V] pass is done in place),
+    while the normaliser, the tail mass (summed directly, never as 1 - Σ top) and the top-k
+    terms are float32. Returns (loss [M], drafter argmax [M]).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, ids, logp, dtype):
+        xc, wc = x.to(dtype), weight.to(dtype)
+        z = xc @ wc.T
+        acc = torch.promote_types(dtype, torch.float32)
+        zmax, top1 = z.max(-1)
+        m = zmax.to(acc)[:, None]
+        top = torch.exp(z.gather(1, ids).to(acc) - m)
+        tail = z.scatter(1, ids, float("-inf")).sub_(zmax[:, None]).exp_().sum(-1, dtype=acc)
+        total = tail + top.sum(-1)
+        log_q_top = top.log() - total.log()[:, None]
+        q_tail = (tail / total).clamp(min=1e-6)
+        p_top = logp.to(acc).exp()
+        p_tail = (1 - p_top.sum(-1)).clamp(min=0)
+        loss = -(p_top * log_q_top).sum(-1) - p_tail * q_tail.log()
+        ctx.save_for_backward(xc, wc, z, zmax, total, ids, p_top, log_q_top.exp(), p_tail, q_tail)
+        ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        ctx.mark_non_differentiable(top1)
+        return loss, top1
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_top1):
+        xc, wc, z, zmax, total, ids, p_top, q_top, p_tail, q_tail = ctx.saved_tensors
+        scale = g_loss * (1 - p_tail / q_tail) / total
+        g = z.sub(zmax[:, None]).exp_().mul_(scale[:, None].to(z.dtype))  # q_j, rescaled
+        g.scatter_(1, ids, (g_loss[:, None] * (q_top - p_top)).to(g.dtype))
+        grad_x = (g @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (g.T @ xc).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None, None
+
+
+def head_factors(head: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, W) with head(h) = x W^T: the full head (x = h) or a low-rank one (x = W_down h)."""
+    if hasattr(head, "w_up"):
+        return F.linear(h, head.w_down), head.w_up
+    if hasattr(head, "weight") and getattr(head, "kind", "full") == "full":
+        return h, head.weight
+    raise FlashSpecError(f"cannot train through a {type(head).__name__} head; use the full or a "
+                         "low-rank head")
+
+
+def entropy_parts(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of the coarsened target (top-k + tail bucket), per row."""
+    p = logp.exp()
+    tail = (1 - p.sum(-1)).clamp(min=1e-12)
+    return -(p * logp).sum(-1) - tail * tail.log()
+
+
+def losses(outs: list[torch.Tensor], batch: Batch, head: nn.Module, target: LlamaLM,
+           cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted loss over passes and its parts (kl_j, reg_j, acc_j = top-1 agreement)."""
+    ids, logp = batch.top_ids[batch.region], batch.top_logp[batch.region]
+    dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float32
+    entropy = entropy_parts(logp).mean().item()
+    total, stats, norm = 0.0, {}, 0.0
+    for j, out in enumerate(outs):
+        x, weight = head_factors(head, out[batch.region])
+        ce, top1 = TailCrossEntropy.apply(x, weight, ids, logp, dtype)
+        ce = ce.mean()
+        reg = F.smooth_l1_loss(out[batch.valid].float(), batch.feats[batch.valid])
+        w = cfg.unroll_decay ** j
+        total = total + w * (cfg.w_kl * ce + cfg.w_reg * reg)
+        norm += w
+        stats.update({f"kl_{j}": ce.item() - entropy, f"reg_{j}": reg.item(),
+                      f"acc_{j}": (top1 == ids[:, 0]).float().mean().item()})
+    return total / norm, stats
+
+
+# ---------------------------------------------------------------------- evaluation
+def eval_prompts(tokenizer, per_dataset: int, datasets: Sequence[str] = ("humaneval", "gsm8k",
+                                                                          "mtbench")) -> EvalSet:
+    """The last ``per_dataset`` prompts of each eval split (first turn), as chat token ids.
+
+    The tail is used so the first prompts of each eval split (what experiment=decode reports
+    on by default) never steer checkpoint selection.
+    """
+    from flashspec.data import chat_ids, load_prompts
+    prompts, ids = {}, {}
+    for name in datasets:
+        chosen = load_prompts(name, split="eval")[-per_dataset:] if per_dataset else []
+        prompts[name] = [chat_ids(tokenizer, p.turns[:1], []) for p in chosen]
+        ids[name] = [p.id for p in chosen]
+    return EvalSet(prompts, ids)
+
+
+def greedy_tau(target: LlamaLM, module: EagleModule, head: nn.Module | None, evalset: EvalSet,
+               gamma: int, new_tokens: int, eos: Sequence[int]) -> dict[str, float]:
+    """τ (tokens per target forward) of greedy speculative decoding per dataset, and 'mean'."""
+    from flashspec.engine import Arm, SpecEngine
+    if next(module.parameters()).dtype != target.dtype:
+        module = copy.deepcopy(module).to(target.dtype)
+        head = copy.deepcopy(head).to(target.dtype) if head is not None else None
+    drafter = EagleDrafter(target, module, head)
+    engine = SpecEngine(target, [Arm(drafter, gamma)], eos_ids=eos)
+    out = {}
+    for name, prompts in evalset.prompts.items():
+        if prompts:
+            rows = engine.generate(prompts, new_tokens).rows
+            steps = sum(r.steps for r in rows)
+            out[name] = (sum(r.n_accepted for r in rows) + steps) / max(steps, 1)
+    out["mean"] = sum(out.values()) / max(len(out), 1)
+    return out
+
+
+@torch.no_grad()
+def validate(module: EagleModule, head: nn.Module, target: LlamaLM, data: DistillData,
+             val: Sequence[int], cfg: TrainConfig, autocast: Callable) -> dict[str, float]:
+    """Mean loss parts over the held-out sequences."""
+    sums: dict[str, float] = {}
+    groups = batches(data, val, cfg, random.Random(0))
+    for idx in groups:
+        batch = collate(data, idx, cfg, target.device)
+        with autocast():
+            _, stats = losses(forward_passes(module, target, batch, cfg), batch, head, target, cfg)
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + v / len(groups)
+    return sums
+
+
+# ---------------------------------------------------------------------- the loop
+@dataclass
+class TrainResult:
+    module: EagleModule
+    head: nn.Module | None
+    steps: int
+    best_step: int
+    best_tau: float | None
+    history: list[dict[str, Any]]
+    wall_s: float
+
+
+def lr_at(step: int, elapsed: float, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay over steps (or the time budget, whichever is nearer)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = step / cfg.steps
+    if cfg.time_budget_s:
+        frac = max(frac, elapsed / cfg.time_budget_s)
+    frac = min(frac, 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module | None = None,
+          evalset: EvalSet | None = None, eos: Sequence[int] = (),
+          log_fn: Callable[[dict[str, Any], int], None] | None = None,
+          on_best: Callable[[EagleModule, nn.Module | None, dict[str, Any]], None] | None = None,
+          progress: bool = True) -> TrainResult:
+    """Train a drafter on ``data``; evaluates greedy τ every ``eval_every`` steps and at the end.
+
+    ``head``: the drafter's head (default the target's frozen one); its trainable parameters
+    are trained too. ``on_best(module, head, record)`` fires on every new best held-out τ.
+    """
+    torch.manual_seed(cfg.seed)
+    module = build_module(target, cfg)
+    head_module = head if head is not None else target.lm_head
+    params = [p for p in module.parameters()] + [p for p in head_module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    train_idx, val_idx = split_val(data, cfg.val_fraction, cfg.seed)
+    if not train_idx:
+        raise FlashSpecError("no training sequences left after the validation split")
+    dev_type = torch.device(target.device).type
+    autocast = lambda: torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
+    rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+    queue: list[list[int]] = []
+    history: list[dict[str, Any]] = []
+    best_tau, best_step = None, -1
+    t0, running = time.perf_counter(), {}
+
+    def evaluate(step: int) -> None:
+        nonlocal best_tau, best_step
+        module.eval()
+        rec: dict[str, Any] = {"step": step, "train_s": time.perf_counter() - t0}
+        if val_idx:
+            rec.update({f"val/{k}": v for k, v in
+                        validate(module, head_module, target, data, val_idx, cfg, autocast).items()})
+        if evalset is not None:
+            taus = greedy_tau(target, module, head, evalset, cfg.eval_gamma, cfg.eval_new_tokens, eos)
+            rec.update({f"eval/tau_{k}": v for k, v in taus.items()})
+            if best_tau is None or taus["mean"] > best_tau:
+                best_tau, best_step = taus["mean"], step
+                if on_best is not None:
+                    on_best(module, head, rec)
+        module.train()
+        history.append(rec)
+        if log_fn is not None:
+            log_fn(rec, step)
+        log.info("step %d: %s", step, {k: round(v, 4) for k, v in rec.items() if isinstance(v, float)})
+
+    bar = tqdm(total=cfg.steps, desc="train eagle", unit="step", disable=not progress)
+    module.train()
+    step = 0
+    for step in range(cfg.steps):
+        elapsed = time.perf_counter() - t0
+        if cfg.time_budget_s and elapsed > cfg.time_budget_s:
+            log.info("time budget %.0fs reached at step %d", cfg.time_budget_s, step)
+            break
+        if cfg.eval_every and step and step % cfg.eval_every == 0:
+            evaluate(step)
+        if not queue:
+            queue = batches(data, train_idx, cfg, rng)
+        batch = collate(data, queue.pop(), cfg, target.device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, elapsed, cfg)
+        with autocast():
+            loss, stats = losses(forward_passes(module, target, batch, cfg, gen), batch, head_module,
+                                 target, cfg)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {step}; lower the lr")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        stats.update(loss=loss.item(), grad_norm=float(gnorm), lr=opt.param_groups[0]["lr"])
+        for k, v in stats.items():
+            running[k] = 0.9 * running.get(k, v) + 0.1 * v
+        if log_fn is not None and step % cfg.log_every == 0:
+            log_fn({f"train/{k}": v for k, v in stats.items()}, step)
+        bar.set_postfix(loss=f"{running['loss']:.3f}", acc0=f"{running['acc_0']:.3f}")
+        bar.update()
+    else:
+        step = cfg.steps
+    bar.close()
+    evaluate(step)
+    module.eval()
+    return TrainResult(module, head, step, best_step, best_tau, history, time.perf_counter() - t0)

@@ -1,0 +1,181 @@
+"""EAGLE-style drafter: exactness with the committed checkpoint, train/inference consistency,
+checkpoint round trip, and the train_drafter smoke run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashspec.data import chat_ids, load_prompts, split_ids
+from flashspec.drafters.eagle import EagleConfig, EagleDrafter, EagleModule
+from flashspec.drafters.ngram import NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.models import load_model
+from flashspec.models.llama import LlamaLM
+from flashspec.training.checkpoint import load_eagle, read_eagle_metadata, save_eagle
+from flashspec.training.train import Batch, TrainConfig, forward_passes
+
+ROOT = Path(__file__).resolve().parents[1]
+CKPT = ROOT / "checkpoints" / "smollm2_eagle.safetensors"
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol) -> list[list[int]]:
+    _, tok = smol
+    chosen = [load_prompts(name, 1)[0] for name in ("humaneval", "gsm8k", "mtbench")]
+    ids = [chat_ids(tok, p.turns[:1], []) for p in chosen]
+    assert len({len(p) for p in ids}) == 3, "prompts must have different lengths (ragged batch)"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(smol, prompts) -> list[list[int]]:
+    """Target-only greedy tokens, one prompt at a time."""
+    model, tok = smol
+    engine = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id])
+    return [engine.generate([p], N_NEW).rows[0].tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def drafter(smol) -> EagleDrafter:
+    model, _ = smol
+    return EagleDrafter.from_spec({"name": "eagle", "checkpoint": str(CKPT)}, model)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculative_equals_target(smol, prompts, reference, drafter, batch):
+    model, tok = smol
+    engine = SpecEngine(model, [Arm(drafter, 4)], eos_ids=[tok.eos_token_id])
+    if batch == 1:
+        rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
+    else:
+        rows = engine.generate(prompts, N_NEW).rows
+    assert [r.tokens for r in rows] == reference
+    steps = sum(r.steps for r in rows)
+    tau = (sum(r.n_accepted for r in rows) + steps) / steps
+    assert tau >= 1.8, f"trained drafter accepts too little (tau={tau:.2f}); checkpoint broken?"
+
+
+class Alternate:
+    """Policy that switches arms every step: the eagle drafter misses every other target step."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def select(self, context=None) -> int:
+        self.t += 1
+        return self.t % 2
+
+    def update(self, *args, **kwargs) -> None:
+        return None
+
+
+def test_feature_sync_when_another_arm_runs_between(smol, prompts, reference, drafter):
+    model, tok = smol
+    arms = [Arm(NgramDrafter(), 3), Arm(drafter, 4)]
+    engine = SpecEngine(model, arms, Alternate(), eos_ids=[tok.eos_token_id])
+    rows = engine.generate(prompts, N_NEW).rows
+    assert [r.tokens for r in rows] == reference
+    assert all(set(r.arms) == {0, 1} for r in rows)
+    # per-step reward = α of the step; the eagle steps still draft well from synced features
+    eagle_alpha = [a for r in rows for a, arm in zip(r.rewards, r.arms) if arm == 1]
+    assert sum(eagle_alpha) / len(eagle_alpha) >= 0.3
+
+
+def test_training_passes_match_incremental_drafting(smol):
+    """Unrolled pass j at slot s == drafting with the KV cache: true slots up to s-j, then j
+    steps on the drafter's own predicted features (what propose does)."""
+    model, _ = smol
+    torch.manual_seed(0)
+    module = EagleModule(model.shape, EagleConfig(n_layers=2))
+    module.init_weights(std=0.05)
+    n, d = 12, model.shape.hidden_size
+    tokens = torch.randint(0, model.shape.vocab_size, (1, n))
+    feats = torch.randn(1, n, d)
+    batch = Batch(tokens, feats, torch.ones(1, n, dtype=torch.bool), torch.ones(1, n, dtype=torch.bool))
+    cfg = TrainConfig(unroll=3, amp="none", batch_tokens=64, max_len=64)
+    with torch.no_grad():
+        outs = forward_passes(module, model, batch, cfg)
+    drafter = EagleDrafter(model, module)
+    for s, j in [(5, 0), (7, 1), (9, 2), (2, 2)]:
+        drafter.reset(1, 32)
+        last = s - j
+        pos = torch.arange(last + 1)[None]
+        shifted = torch.cat([torch.zeros(1, 1, d), feats[:, :last]], 1)
+        with torch.no_grad():
+            h = drafter._run(shifted, tokens[:, :last + 1], pos, last + 1)[:, -1]
+            for i in range(1, j + 1):
+                p = torch.tensor([[last + i]])
+                h = drafter._run(h[:, None], tokens[:, last + i:last + i + 1], p, last + i + 1)[:, 0]
+        torch.testing.assert_close(h, outs[j][:, s], rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoint_round_trip(smol, tmp_path):
+    model, _ = smol
+    module = EagleModule(model.shape, EagleConfig(n_layers=2, out_norm=True))
+    module.init_weights(generator=torch.Generator().manual_seed(1))
+    path = save_eagle(tmp_path / "e.safetensors", module, model, provenance={"steps": 7},
+                      dtype=torch.float32)
+    loaded, head, meta = load_eagle(path, model)
+    assert head is None and meta["provenance"]["steps"] == 7
+    assert loaded.config == module.config
+    for (k, a), (_, b) in zip(module.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert json.loads(path.with_suffix(".json").read_text())["config"]["n_layers"] == 2
+    half = save_eagle(tmp_path / "h.safetensors", module, model, dtype=torch.float16)
+    loaded16, _, _ = load_eagle(half, model)
+    w = module.fc.weight.detach()
+    assert torch.equal(loaded16.fc.weight, w.half().float())
+    assert not torch.equal(loaded16.fc.weight, w)
+
+
+def test_checkpoint_rejects_other_target_and_other_files(smol, tmp_path):
+    model, _ = smol
+    module = EagleModule(model.shape)
+    path = save_eagle(tmp_path / "e.safetensors", module, model)
+    other = LlamaLM(model.shape.__class__(**{**model.shape.__dict__, "hidden_size": 64,
+                                              "intermediate_size": 128, "num_heads": 4,
+                                              "num_kv_heads": 2, "head_dim": 16}),
+                    torch.ones(8))
+    with pytest.raises(FlashSpecError, match="another target"):
+        load_eagle(path, other)
+    with pytest.raises(FlashSpecError, match="not found"):
+        load_eagle(tmp_path / "missing.safetensors", model)
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(FlashSpecError, match="not a FlashSpec eagle"):
+        read_eagle_metadata(tmp_path / "x.safetensors")
+
+
+def test_committed_checkpoint_provenance():
+    meta = read_eagle_metadata(CKPT)
+    assert CKPT.stat().st_size <= 20 * 2 ** 20
+    prov = meta["provenance"]
+    assert prov["steps"] > 0 and prov["commit"] and prov["seed"] is not None
+    for name, ids in prov["data"]["train_prompt_ids"].items():
+        assert ids and not set(ids) & set(split_ids(name, "eval")), name
+
+
+def test_train_drafter_smoke(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "run.py", "experiment=train_drafter", "smoke=true",
+                           "logger=disabled", f"output_dir={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = read_eagle_metadata(out / "eagle_best.safetensors")
+    assert meta["provenance"]["data"]["n_sequences"] == 4  # mtbench has two turns
+    records = [json.loads(line) for line in (out / "train_records.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
+    assert any("eval/tau_mean" in r and r["eval/tau_mean"] >= 1.0 for r in records)
+    assert (out / "eagle_last.safetensors").is_file()
