@@ -53,8 +53,8 @@ class PeekingDrafter:
         score = torch.stack([logp[pos[:, 0], tok[:, 0]] for tok, _ in props], dim=1)
         best = score.argmax(dim=1)
         tokens = torch.stack([tok for tok, _ in props])[best, torch.arange(len(best))]
-        logits = torch.stack([q for _, q in props])[best, torch.arange(len(best))]
-        return tokens, logits
+        tables = torch.stack([d.logits for d in self.inner])                  # [K, P, V]
+        return tokens, lambda sl: tables[best[sl].unsqueeze(1), pos[sl]]
 
 
 class SwitchOnRejectChooser:

@@ -17,7 +17,8 @@ from flashspec.verify import rng
 from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-CHUNK_ELEMS = 1 << 23          # logits elements per verify call (bounds memory at large V)
+DraftLogits = Callable[[slice], torch.Tensor]   # rows slice -> raw draft logits [rows, γ, V]
+CHUNK_ELEMS = 1 << 22          # logits elements per verify call (bounds memory at any V)
 
 
 @dataclass
@@ -34,12 +35,13 @@ class TableDrafter:
     one_hot: bool = False
 
     def propose(self, pos: torch.Tensor, params: SamplingParams, gen: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [b, γ] at absolute positions ``pos`` [b, γ], and their draft logits."""
+                ) -> tuple[torch.Tensor, DraftLogits | None]:
+        """Draft tokens [b, γ] at absolute positions ``pos`` [b, γ], and a function giving
+        their raw draft logits [rows, γ, V] for a slice of rows (None: one-hot proposal)."""
         logq = warp_logprobs(self.logits, params)                      # [P, V]
         if self.one_hot:
             return logq.argmax(-1)[pos], None
-        return sample_positions(logq.exp(), pos, gen), self.logits[pos]
+        return sample_positions(logq.exp(), pos, gen), lambda sl: self.logits[pos[sl]]
 
 
 def sample_positions(probs: torch.Tensor, pos: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -110,21 +112,25 @@ def speculative_sample(target: torch.Tensor, drafters: list, params: SamplingPar
 def _step_arm(run: SpecRun, target: torch.Tensor, drafter, arm: int, rows: torch.Tensor,
               lengths: torch.Tensor, params: SamplingParams, verify_fn: VerifyFn, seed: int,
               gen: torch.Generator, chooser: Chooser) -> None:
-    """One speculative step for ``rows`` with one drafter, in memory-bounded chunks."""
+    """One speculative step for ``rows`` with one drafter; verify runs in memory-bounded chunks."""
     gamma = drafter.gamma
+    pos = lengths[rows].unsqueeze(1) + torch.arange(gamma + 1)
+    tokens, logits = drafter.propose(pos[:, :gamma], params, gen)
     chunk = max(1, CHUNK_ELEMS // ((gamma + 1) * target.shape[-1]))
-    for part in rows.split(chunk):
-        pos = lengths[part].unsqueeze(1) + torch.arange(gamma + 1)
-        draft_tokens, draft_logits = drafter.propose(pos[:, :gamma], params, gen)
-        out, n_acc = verify_fn(target[pos], draft_tokens, draft_logits, params,
-                               rng.call_seed(seed, run.calls))
+    outs, accs = [], []
+    for sl in (slice(i, i + chunk) for i in range(0, len(rows), chunk)):
+        out, n_acc = verify_fn(target[pos[sl]], tokens[sl], None if logits is None else logits(sl),
+                               params, rng.call_seed(seed, run.calls))
         run.calls += 1
-        _record(run, part, pos, out, n_acc)
-        lengths[part] += n_acc.long() + 1
-        run.proposed += gamma * len(part)
-        run.accepted += int(n_acc.sum())
-        run.arm_steps[arm] = run.arm_steps.get(arm, 0) + len(part)
-        chooser.update(part, arm, n_acc.long(), gamma)
+        outs.append(out)
+        accs.append(n_acc.long())
+    out, n_acc = torch.cat(outs), torch.cat(accs)
+    _record(run, rows, pos, out, n_acc)
+    lengths[rows] += n_acc + 1
+    run.proposed += gamma * len(rows)
+    run.accepted += int(n_acc.sum())
+    run.arm_steps[arm] = run.arm_steps.get(arm, 0) + len(rows)
+    chooser.update(rows, arm, n_acc, gamma)
 
 
 def _record(run: SpecRun, rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor,
