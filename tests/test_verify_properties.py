@@ -20,7 +20,7 @@ from flashspec.verify import SamplingParams, get_backend, rng, warp_logprobs  # 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     find_spec("flashspec.verify.triton_backend") is None,
     reason="flashspec/verify/triton_backend.py does not exist yet"))]
-EXAMPLES = {"torch": 60, "triton": 15}
+EXAMPLES = {"torch": 60, "triton": 30}
 TEMPERATURES = [0.0, 0.5, 1.0, 1.7]
 
 
