@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-train", type=int, default=48)
     p.add_argument("--n-eval", type=int, default=24)
     p.add_argument("--max-new", type=int, default=128)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=250)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-ranks", nargs="+", default=["d/8"],
                    help="ranks also distilled on the target's distribution (teacher 'target')")
     p.add_argument("--distill-init", default="asvd", choices=["svd", "asvd"])
+    p.add_argument("--skip-baselines", action="store_true",
+                   help="only the distillation runs (no full / truncated / svd / asvd records)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (1 avoids stalls on a shared, busy CPU)")
     p.add_argument("--seed", type=int, default=0)
@@ -111,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
               "dataset": a.dataset, "max_new": a.max_new, "train_prompt_ids": train.prompt_ids,
               "eval_prompt_ids": evals.prompt_ids, "n_train_rows": len(train),
               "n_eval_rows": len(evals)}
-    save_frequencies(freqs, freq_path, {"text": "target greedy continuations of train prompts",
-                                        "commit": git_commit(), **common})
+    if not a.skip_baselines:
+        save_frequencies(freqs, freq_path, {"text": "target greedy continuations of train "
+                                            "prompts", "commit": git_commit(), **common})
     full = FullHead(weight)
     writer = RecordWriter(Path(a.out) / f"distill_{a.model}_skip{a.first}{suffix}.jsonl")
     prov = provenance(vars(a), a.seed)
@@ -127,36 +130,66 @@ def main(argv: list[str] | None = None) -> int:
                         "top1_full", "top1_target", "accept_t1")})
         return rec
 
-    emit(full, kind="full", init=None, teacher=None, rank=None, keep=None)
+    if not a.skip_baselines:
+        emit(full, kind="full", init=None, teacher=None, rank=None, keep=None)
+    tables: dict = {}
     for spec in a.ranks:
         rank = resolve_rank(spec, d)
-        keep = equal_cost_keep(rank, vocab, d)
         base = {"rank": rank, "rank_spec": spec}
-        emit(TruncatedHead.from_frequencies(weight, freqs, keep, [tok.eos_token_id]),
-             kind="truncated", init="frequencies", teacher=None, rank=None, keep=keep,
-             rank_spec=spec)
-        emit(LowRankHead.from_svd(weight, rank), kind="lowrank", init="svd", teacher=None,
-             keep=None, **base)
-        emit(LowRankHead.from_svd(weight, rank, train.drafter), kind="lowrank", init="asvd",
-             teacher=None, keep=None, **base)
+        if not a.skip_baselines:
+            baselines(a, weight, freqs, train, tok.eos_token_id, emit, base)
         for teacher in a.teachers:
             if teacher == "target" and spec not in a.target_ranks and not a.smoke:
                 continue
-            distill(a, weight, train, evals, full, teacher, emit, base)
+            distill(a, weight, train, evals, full, teacher, emit, base, tables)
     print(f"done in {time.time() - t0:.0f}s -> {writer.path}")
     return 0
 
 
+@torch.no_grad()
+def logits_table(head: Any, inputs: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """Teacher logits [N, V] computed once (distillation then reads rows instead of re-running
+    the V x d teacher head every step)."""
+    return torch.cat([head(inputs[i:i + batch_size]) for i in range(0, inputs.shape[0], batch_size)])
+
+
+def baselines(a: argparse.Namespace, weight: torch.Tensor, freqs: torch.Tensor, train: HeadData,
+              eos_id: int, emit: Any, base: dict) -> None:
+    """Equal-cost truncation and the two training-free low-rank inits (asvd saved as a head)."""
+    vocab, d = weight.shape
+    rank = base["rank"]
+    keep = equal_cost_keep(rank, vocab, d)
+    emit(TruncatedHead.from_frequencies(weight, freqs, keep, [eos_id]), kind="truncated",
+         init="frequencies", teacher=None, rank=None, keep=keep, rank_spec=base["rank_spec"])
+    emit(LowRankHead.from_svd(weight, rank), kind="lowrank", init="svd", teacher=None, keep=None,
+         **base)
+    asvd = LowRankHead.from_svd(weight, rank, train.drafter)
+    path = Path(a.heads_dir) / f"{a.model}_skip{a.first}_r{rank}_asvd.safetensors"
+    save_head(asvd, path, {"commit": git_commit(), "model": a.model, "init": "asvd",
+                           "drafter_layers": a.first, "calibration": "train hidden states",
+                           "train_prompt_ids": train.prompt_ids})
+    emit(asvd, kind="lowrank", init="asvd", teacher=None, keep=None, checkpoint=str(path), **base)
+
+
 def distill(a: argparse.Namespace, weight: torch.Tensor, train: HeadData, evals: HeadData,
-            full: FullHead, teacher: str, emit: Any, base: dict) -> None:
-    """Distil one rank from the training-free init; record metrics, curve and the saved head."""
+            full: FullHead, teacher: str, emit: Any, base: dict, tables: dict) -> None:
+    """Distil one rank from the training-free init; record metrics, curve and the saved head.
+
+    Teacher 'full': the drafter's full head on the drafter's hidden states; 'target': the
+    target's distribution (its head, tied to the drafter's here, on the target's states).
+    """
     rank = base["rank"]
     head = LowRankHead.from_svd(weight, rank, train.drafter if a.distill_init == "asvd" else None)
-    t_in, ev_in = (None, None) if teacher == "full" else (train.target, evals.target)
-    curve = distill_lowrank(head, train.drafter, full, a.steps, lr=a.lr,
+    if teacher not in tables:
+        src_train, src_eval = ((train.drafter, evals.drafter) if teacher == "full"
+                               else (train.target, evals.target))
+        tables.clear()  # keep one teacher's tables in memory at a time
+        tables[teacher] = (logits_table(full, src_train), logits_table(full, src_eval))
+    t_train, t_eval = tables[teacher]
+    curve = distill_lowrank(head, train.drafter, lambda z: z, a.steps, lr=a.lr,
                             temperature=a.temperature, batch_size=a.batch_size,
-                            teacher_inputs=t_in, eval_hidden=evals.drafter,
-                            eval_teacher_inputs=ev_in, eval_every=max(1, a.steps // 10),
+                            teacher_inputs=t_train, eval_hidden=evals.drafter,
+                            eval_teacher_inputs=t_eval, eval_every=max(1, a.steps // 5),
                             train_prompt_ids=train.prompt_ids, eval_prompt_ids=evals.prompt_ids,
                             seed=a.seed, teacher_name=f"{teacher}_distribution",
                             data_description=f"{a.dataset} train split, target greedy "
