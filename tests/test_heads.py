@@ -270,3 +270,4 @@ def test_notebook_redraws_from_committed_records():
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 1
     text = "".join(o.get("text", "") for o in outputs)
     assert "bench records" in text and " 0 bench records" not in text
+    assert "overlap: 0" in text  # the distillation table: train/eval prompts disjoint
