@@ -12,14 +12,13 @@ or ``python -m experiments.head_bench`` (same CLI).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -341,7 +340,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.smoke:
-        return dataclasses.replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout)
+        return replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout)
     shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes] if a.shapes
               else [tuple(s) for s in SHAPES])
     return BenchConfig(shapes=shapes, batches=a.batches, rank_divs=a.rank_divs, device=a.device,
