@@ -12,7 +12,7 @@ it reads the counts anyway. On CPU tensors (TRITON_INTERPRET=1) poisoned rows ra
 FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
-top-p < 1, top-k > 256, dtypes other than bf16/fp16/fp32, V >= 2^24, CPU tensors without
+top-p < 1, top-k > 256, top-k on CUDA (see FUSE_TOPK_ON_CUDA), dtypes other than bf16/fp16/fp32, V >= 2^24, CPU tensors without
 TRITON_INTERPRET=1. Concurrent calls on different CUDA streams of one device are not
 supported (the fused path keeps one set of per-row-group counters per device).
 """
@@ -31,6 +31,10 @@ from flashspec.verify import triton_kernels as K
 log = logging.getLogger("flashspec.verify.triton")
 
 MAX_TOPK = 256
+# On an H200 the fused top-k path disagreed with the reference on 0.2-0.4 % of rows at B=64
+# (top-k 20/50; no mismatch without top-k), while the interpreter agrees on CPU. Until that is
+# understood, top-k on CUDA falls back to the reference (exact by definition).
+FUSE_TOPK_ON_CUDA = False
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOGGED: set[str] = set()
 _COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
@@ -89,6 +93,8 @@ def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
         return "top-p is not fused"
     if 0 < params.top_k < vocab and params.top_k > MAX_TOPK:
         return f"top-k > {MAX_TOPK} is not fused"
+    if 0 < params.top_k < vocab and target_logits.is_cuda and not FUSE_TOPK_ON_CUDA:
+        return "fused top-k is disabled on CUDA (mismatched the reference on an H200)"
     for t in (target_logits, draft_logits):
         if t is not None and t.dtype not in _DTYPES:
             return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
