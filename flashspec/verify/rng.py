@@ -32,8 +32,12 @@ def stream_key(seed: torch.Tensor | int, stream: torch.Tensor) -> torch.Tensor:
 
 
 def to_unit(h: torch.Tensor) -> torch.Tensor:
-    """Top 24 bits of a hash -> float32 in (0, 1): (h >> 8 + 0.5) / 2^24."""
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    """Top 23 bits of a hash -> float32 strictly in (0, 1): (h >> 9 + 0.5) / 2^23.
+
+    With 24 bits the largest value, (2^24 - 0.5) / 2^24, rounds to exactly 1.0 in float32
+    (then E = -log u = 0 and a p = 0 token could win the race); 23 bits keep every value exact.
+    """
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def uniform(seed: torch.Tensor | int, stream: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -60,12 +60,12 @@ def _stream_key(seed_mixed, stream, WIDE: tl.constexpr):
 
 @triton.jit
 def _uniform(key, index, WIDE: tl.constexpr):
-    """rng.uniform for a stream key and int indices: (h >> 8 + 0.5) / 2^24 in (0, 1)."""
+    """rng.uniform for a stream key and int indices: (h >> 9 + 0.5) / 2^23, strictly in (0, 1)."""
     if WIDE:
         h = _mix32(key ^ ((index.to(tl.uint64) * 0x846CA68B + 1) & 0xFFFFFFFF), WIDE)
     else:
         h = _mix32(key ^ (index.to(tl.uint32) * 0x846CA68B + 1), WIDE)
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
