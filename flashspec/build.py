@@ -72,7 +72,7 @@ def build_drafter(spec: Mapping[str, Any], target: LlamaLM, tokenizer, cfg_hardw
                                  f"({config.vocab_size} vs {target.shape.vocab_size} ids); pick a "
                                  "drafter of the same model family")
         model, tok = load_model(spec["source"], dtype=spec.get("dtype") or cfg_hardware["dtype"],
-                                device=cfg_hardware["device"])
+                                device=cfg_hardware["device"], quantization=spec.get("quantization"))
         check_shared_vocab(name, tokenizer, tok, target, model)
         return ModelDrafter(model, None, head=make_head(cfg_head, model), name=name)
     if kind == "eagle":  # feature-level drafter from experiment=train_drafter

@@ -144,3 +144,13 @@ def test_bad_inputs(smol):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1.0, top_p=1.5)
+
+
+def test_nf4_quantized_drafter_keeps_greedy_exact(smol, prompts, reference):
+    """A separate NF4 (bitsandbytes) copy of the target drafts; output stays the target's."""
+    model, tok = smol
+    nf4, _ = load_model("smollm2", quantization="nf4")
+    engine = SpecEngine(model, [Arm(ModelDrafter(nf4, None, name="nf4"), 4)], eos_ids=[tok.eos_token_id])
+    rows = [engine.generate([p], N_NEW).rows[0] for p in prompts[:2]]
+    assert [r.tokens for r in rows] == reference[:2]
+    assert sum(r.n_accepted for r in rows) / sum(r.n_proposed for r in rows) > 0.5
