@@ -171,6 +171,22 @@ def test_in_out_layout_same_logits_transposed_storage(weight, tmp_path):
         FullHead(weight, "diagonal")
 
 
+def test_distill_from_an_iterator_of_teacher_pairs():
+    """Iterator input of (hidden, teacher input) pairs: a finite stream ends training early."""
+    g = torch.Generator().manual_seed(1)
+    teacher_w = torch.randn(200, 16, generator=g)
+    head = LowRankHead.from_svd(torch.randn(200, 16, generator=g), 4)
+    hidden = torch.randn(512, 16, generator=g)
+    held = torch.randn(256, 16, generator=g)
+    stream = ((hidden[i:i + 64], hidden[i:i + 64]) for i in range(0, 512, 64))  # 8 batches
+    curve = distill_lowrank(head, stream, lambda z: z @ teacher_w.T, steps=50, lr=2e-2,
+                            eval_hidden=held, eval_teacher_inputs=held, progress=False,
+                            teacher_name="synthetic")
+    assert [c["step"] for c in curve] == list(range(9))
+    assert curve[-1]["eval_kl"] < curve[0]["eval_kl"]
+    assert head.distill_info["distill_steps"] == 8 and head.distill_info["teacher"] == "synthetic"
+
+
 def test_distill_rejects_overlapping_prompt_ids(weight):
     head = LowRankHead.from_svd(weight.float(), 4)
     with pytest.raises(FlashSpecError):

@@ -159,7 +159,9 @@ def distill_lowrank(head: LowRankHead, hidden: torch.Tensor | Iterable[Batch],
     bar = tqdm(range(1, steps + 1), desc=f"distill r={head.rank}", disable=not progress)
     for step in bar:
         batch = next(batches, None)
-        if batch is None:
+        if batch is None:  # a finite iterator ran out: close the curve with a held-out point
+            if curve and "eval_kl" not in curve[-1] and curve[-1]["step"] > 0:
+                curve[-1].update(evaluate(curve[-1]["step"]))
             break
         h, t_in = batch if isinstance(batch, tuple) else (batch, batch)
         for group in opt.param_groups:
@@ -178,12 +180,13 @@ def distill_lowrank(head: LowRankHead, hidden: torch.Tensor | Iterable[Batch],
         _log(logger, entry)
         bar.set_postfix(loss=f"{entry['loss']:.4f}")
     head.eval()
-    head.distill_info = {"distill_steps": curve[-1]["step"], "distill_lr": lr,
+    done = max((c["step"] for c in curve), default=0)
+    head.distill_info = {"distill_steps": done, "distill_lr": lr,
                          "distill_temperature": temperature, "distill_batch_size": batch_size,
                          "distill_seed": seed, "teacher": teacher_name, "data": data_description,
                          "train_prompt_ids": list(train_prompt_ids or []),
                          "eval_prompt_ids": list(eval_prompt_ids or [])}
-    if logger is not None:
+    if logger is not None and curve:
         logger.summary({k: v for k, v in curve[-1].items() if k != "step"})
     return curve
 
