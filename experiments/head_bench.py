@@ -13,7 +13,8 @@ from typing import Any
 from flashspec.heads.bench import BenchConfig, main, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
-         "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout")
+         "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout",
+         "cuda_graphs")
 
 
 def bench_config(cfg: Any) -> BenchConfig:
@@ -23,6 +24,7 @@ def bench_config(cfg: Any) -> BenchConfig:
     if cfg.get("smoke"):
         smoke = BenchConfig.smoke(hw.device, dtype)
         smoke.layout = exp.get("layout") or smoke.layout
+        smoke.cuda_graphs = bool(exp.get("cuda_graphs")) and hw.device.startswith("cuda")
         return smoke
     knobs = {k: exp[k] for k in KNOBS if exp.get(k) is not None}
     knobs = {k: list(v) if k in ("batches", "rank_divs") else v for k, v in knobs.items()}

@@ -52,6 +52,7 @@ class BenchConfig:
     truncated_kept: bool = True       # also time the k-logit output (no -inf fill)
     threads: int | None = None        # CPU intra-op threads (None: torch's default)
     layout: str = "out_in"            # weight storage of every head: out_in (nn.Linear) | in_out
+    cuda_graphs: bool = False         # CUDA: time graph replays (device time, no launch gaps)
     seed: int = 0
 
     def resolved_dtype(self) -> str:
@@ -164,9 +165,30 @@ def _sample(v: Variant, x: torch.Tensor, inner: int, timer: Timer) -> float:
     return timer(body) / inner
 
 
+def _capture(v: Variant, x: torch.Tensor, inner: int) -> Callable[[], Any]:
+    """A CUDA graph of ``inner`` rotated calls of ``v``; returns its replay.
+
+    Eager timing of small heads on a GPU measures kernel-launch gaps (the GPU idles between
+    launches); a captured decode step has none, so replays time the device work alone.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(2):
+            v(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            v(x)
+    return graph.replay
+
+
 def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool = True
                 ) -> list[dict[str, Any]]:
     """Records (one per variant) for one shape and batch size."""
+    if cfg.cuda_graphs and not cfg.device.startswith("cuda"):
+        raise ValueError("cuda_graphs=True needs device=cuda")
     dtype = DTYPES[cfg.resolved_dtype()]
     gen = torch.Generator().manual_seed(cfg.seed)
     flush = int(cfg.flush_factor * last_level_cache_bytes(cfg.device))
@@ -178,6 +200,11 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
         for v in variants:  # warm-up, and calls per sample so a sample lasts min_sample_s
             once = min(_sample(v, x, 1, timer) for _ in range(max(1, cfg.warmup)))
             inner[v.name] = max(1, min(64, math.ceil(cfg.min_sample_s / max(once, 1e-9))))
+        if cfg.cuda_graphs:
+            replays = {v.name: _capture(v, x, inner[v.name]) for v in variants}
+            sample = lambda v: timer(replays[v.name]) / inner[v.name]  # noqa: E731
+        else:
+            sample = lambda v: _sample(v, x, inner[v.name], timer)  # noqa: E731
         times: dict[str, list[float]] = {v.name: [] for v in variants}
         order = list(range(len(variants)))
         rng = random.Random(cfg.seed)
@@ -187,7 +214,7 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
             rng.shuffle(order)
             for i in order:
                 v = variants[i]
-                times[v.name].append(_sample(v, x, inner[v.name], timer))
+                times[v.name].append(sample(v))
             rounds += 1
             spent = time.perf_counter() - t_start
             if progress:
@@ -221,7 +248,8 @@ def _records(d: int, vocab: int, batch: int, cfg: BenchConfig, variants: list[Va
             "flush_bytes": flush, "nu": statistics.median(t) / full_med,
             "nu_paired": statistics.median(paired), "nu_paired_p25": _q(paired, 0.25),
             "nu_paired_p75": _q(paired, 0.75), "device": cfg.device,
-            "dtype": cfg.resolved_dtype(), "layout": cfg.layout, "threads": None if cfg.device.startswith("cuda")
+            "dtype": cfg.resolved_dtype(), "layout": cfg.layout, "cuda_graphs": cfg.cuda_graphs,
+            "threads": None if cfg.device.startswith("cuda")
             else torch.get_num_threads(), "loadavg_1m": _loadavg(),
         })
     return out
@@ -333,6 +361,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
     p.add_argument("--layout", default="out_in", choices=["out_in", "in_out"],
                    help="weight storage: out_in = nn.Linear [out, in] row-major; in_out = transposed")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: time CUDA-graph replays (device time without launch gaps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a few seconds, smallest shape")
     return p.parse_args(argv)
@@ -340,12 +370,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.smoke:
-        return replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout)
+        return replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout,
+                       cuda_graphs=a.cuda_graphs)
     shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes] if a.shapes
               else [tuple(s) for s in SHAPES])
     return BenchConfig(shapes=shapes, batches=a.batches, rank_divs=a.rank_divs, device=a.device,
                        dtype=a.dtype, budget_s=a.budget_s, min_rounds=a.min_rounds,
-                       threads=a.threads, layout=a.layout, seed=a.seed)
+                       threads=a.threads, layout=a.layout, cuda_graphs=a.cuda_graphs,
+                       seed=a.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
