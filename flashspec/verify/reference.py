@@ -73,6 +73,8 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     greedy = (temps == 0).view(-1, 1)
 
     logp = warp_rows(target_logits, params, temps)                       # [B, γ+1, V]
+    if temperature is None and params.greedy:  # all rows greedy: no q, no random numbers needed
+        return greedy_verify(logp, draft_tokens)
     logq = draft_logprobs(draft_tokens, draft_logits, params, temps, vocab)  # [B, γ, V]
     x = draft_tokens.long().unsqueeze(-1)
     lp_x = logp[:, :gamma].gather(-1, x).squeeze(-1)
@@ -92,9 +94,21 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     logw = torch.where(empty, logp, logw)
     sampled = exponential_race(logw, seed, streams)                       # [B, γ+1]
     fix = torch.where(greedy, logp.argmax(-1), sampled)
+    return assemble(draft_tokens, n_acc, fix), n_acc
 
-    pos = torch.arange(gamma + 1, device=device).view(1, -1)
+
+def assemble(draft_tokens: torch.Tensor, n_acc: torch.Tensor, fix: torch.Tensor) -> torch.Tensor:
+    """Output rows: the accepted drafts, then the correction/bonus token, then -1 padding."""
+    gamma = draft_tokens.shape[1]
+    pos = torch.arange(gamma + 1, device=fix.device).view(1, -1)
     n = n_acc.view(-1, 1)
     drafts = torch.cat([draft_tokens.long(), torch.zeros_like(n)], dim=1)
-    out = torch.where(pos < n, drafts, torch.where(pos == n, fix, torch.full_like(fix, -1)))
-    return out, n_acc
+    return torch.where(pos < n, drafts, torch.where(pos == n, fix, torch.full_like(fix, -1)))
+
+
+def greedy_verify(logp: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature 0: accept while the draft is the target argmax, then emit the argmax."""
+    best = logp.argmax(-1)
+    accept = draft_tokens.long() == best[:, :draft_tokens.shape[1]]
+    n_acc = accept.int().cumprod(dim=1).sum(dim=1)
+    return assemble(draft_tokens, n_acc, best), n_acc
