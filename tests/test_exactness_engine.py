@@ -85,13 +85,14 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
 
 
 def test_engine_gate_catches_a_drafter_that_lies_about_q(small):
-    """Power at the engine level: a drafter reporting q at another temperature fails the gate."""
+    """Power at the engine level: a drafter that reports a q other than the one it sampled from
+    (here: uniform, so nearly every draft is accepted) fails the gate."""
     model, prompt = small
 
     class WrongQ(ModelDrafter):
         def propose(self, state, gamma, params, generator):
             tokens, logits = super().propose(state, gamma, params, generator)
-            return tokens, logits * 2.0  # sampled at T, reported as if at T/2
+            return tokens, torch.zeros_like(logits)  # sampled from q, reported as uniform
 
     params = SamplingParams(temperature=1.0)
     spec = sample_pairs(model, prompt, [Arm(WrongQ(model, [0], name="liar"), 2)], params, seed=5)
