@@ -30,17 +30,18 @@ def run(cfg) -> dict[str, Any]:
     from flashspec.build import build_target, make_head
     from flashspec.data import repo_root
     from flashspec.records import WandbLogger, provenance
-    from flashspec.training.run import JobOptions, data_spec, run_job, train_config
+    from flashspec.training.run import JobOptions, data_specs, run_job, train_config
 
     exp = OmegaConf.to_container(cfg.experiment, resolve=True)
     if exp.get("threads"):
         torch.set_num_threads(int(exp["threads"]))
-    data = {"seed": int(cfg.seed), **exp["data"], **(SMOKE_DATA if cfg.smoke else {})}
+    data = {"seed": int(cfg.seed), **exp["data"]}
+    mix = [{**part, **(SMOKE_DATA if cfg.smoke else {})} for part in (exp.get("data_mix") or [{}])]
     tr = {"seed": int(cfg.seed), **exp["train"], **(SMOKE_TRAIN if cfg.smoke else {})}
     out = Path(cfg.output_dir)
     cache = out / "eagle_data" if cfg.smoke else _path(exp.get("cache_dir") or ".cache/eagle_data",
                                                        repo_root())
-    opts = JobOptions(data=data_spec(data), train=train_config(tr), out_dir=out, cache_dir=cache,
+    opts = JobOptions(data=data_specs(data, mix), train=train_config(tr), out_dir=out, cache_dir=cache,
                       source=str(cfg.target.source), save_dtype=exp.get("save_dtype", "float16"),
                       export=None if cfg.smoke else exp.get("export"),
                       train_head=bool(exp.get("train_head", False)))

@@ -182,7 +182,10 @@ def test_train_drafter_smoke(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = read_eagle_metadata(out / "eagle_best.safetensors")
-    assert meta["provenance"]["data"]["n_sequences"] == 4  # mtbench has two turns
+    # two data parts (T=1 samples, greedy) x 3 prompts, mtbench has two turns
+    assert meta["provenance"]["data"]["n_sequences"] == 8
+    for name, ids in meta["provenance"]["data"]["train_prompt_ids"].items():
+        assert not set(ids) & set(split_ids(name, "eval")), name
     records = [json.loads(line) for line in (out / "train_records.jsonl").read_text().splitlines()]
     assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
     assert any("eval/tau_mean" in r and r["eval/tau_mean"] >= 1.0 for r in records)

@@ -34,6 +34,7 @@ class EagleConfig:
 
     n_layers: int = 1
     out_norm: bool = False      # an RMSNorm on the predicted feature (EAGLE-1 has none)
+    in_norm: bool = False       # RMSNorms on the feature and the embedding before fc (EAGLE-3)
     fc_bias: bool = True
 
     def __post_init__(self) -> None:
@@ -57,6 +58,8 @@ class EagleModule(nn.Module):
         self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
         self.layers = nn.ModuleList(Block(i, self.shape) for i in range(config.n_layers))
         self.norm = RMSNorm(d, shape.rms_eps) if config.out_norm else None
+        self.feat_norm = RMSNorm(d, shape.rms_eps) if config.in_norm else None
+        self.embed_norm = RMSNorm(d, shape.rms_eps) if config.in_norm else None
 
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Llama-style init: N(0, std) matrices, zero biases, unit norms."""
@@ -76,11 +79,30 @@ class EagleModule(nn.Module):
                 mask: torch.Tensor, cache: KVCache | None = None, span: int | None = None
                 ) -> torch.Tensor:
         """Predicted features [B, n, d] for slots with (previous feature, token embedding)."""
-        x = self.fc(torch.cat([features.to(embeds.dtype), embeds], dim=-1))
+        features = features.to(embeds.dtype)
+        if self.feat_norm is not None:
+            features, embeds = self.feat_norm(features), self.embed_norm(embeds)
+        x = self.fc(torch.cat([features, embeds], dim=-1))
         span = positions.shape[1] if span is None else span
         for block in self.layers:
             x = block(x, rope, positions, cache, mask, span)
         return self.norm(x) if self.norm is not None else x
+
+
+class CastHead(nn.Module):
+    """The target's full head kept in another dtype (bf16 on a CPU halves the bytes per call).
+
+    The logits it returns are the ones the drafts are sampled from, so q stays exact.
+    """
+
+    kind = "full"
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(dtype), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.to(self.weight.dtype) @ self.weight.T
 
 
 class EagleDrafter(Drafter):
@@ -169,7 +191,8 @@ class EagleDrafter(Drafter):
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], target: LlamaLM,
                   cfg_head: Mapping[str, Any] | None = None) -> "EagleDrafter":
-        """From a drafter config entry: ``{kind: eagle, checkpoint: path, name: ...}``."""
+        """From a drafter config entry: ``{kind: eagle, checkpoint: path, name: ...,
+        head_dtype: null | bfloat16}`` (head_dtype: a copy of the full head in that dtype)."""
         from flashspec.training.checkpoint import load_eagle
         if not spec.get("checkpoint"):
             raise FlashSpecError(f"eagle drafter {spec.get('name')!r} needs `checkpoint:` (a file "
@@ -178,6 +201,9 @@ class EagleDrafter(Drafter):
         if head is None and cfg_head and (cfg_head.get("kind") or "full") != "full":
             from flashspec.heads import build_head
             head = build_head(cfg_head, target.lm_head_weight, target.shape.hidden_size)
+        if head is None and spec.get("head_dtype"):
+            from flashspec.models.loading import resolve_dtype
+            head = CastHead(target.lm_head_weight, resolve_dtype(spec["head_dtype"]))
         return cls(target, module, head, name=spec.get("name") or "eagle")
 
 

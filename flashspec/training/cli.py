@@ -17,6 +17,8 @@ from flashspec.errors import FlashSpecError
 SMOKE_DATA = {"datasets": {"humaneval": 1, "gsm8k": 1, "mtbench": 1},
               "samples": {"humaneval": 1, "gsm8k": 1, "mtbench": 1}, "max_new_tokens": 8,
               "batch_size": 4}
+GREEDY_PART = {"temperature": 0.0, "samples": {"humaneval": 1, "gsm8k": 1, "mtbench": 1}}
+DEFAULT_MIX = [{}, GREEDY_PART]  # T=1 samples (the base spec) + the target's greedy continuations
 SMOKE_TRAIN = {"steps": 3, "eval_every": 0, "eval_prompts": 1, "eval_new_tokens": 8,
                "batch_tokens": 512, "max_len": 256, "warmup": 1, "val_fraction": 0.34,
                "log_every": 1, "time_budget_s": None}
@@ -54,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--time-budget", type=float, default=None, help="training seconds")
     p.add_argument("--gen-batch", type=int, default=None, help="generation batch size")
+    p.add_argument("--mix", type=parse_value, default=None,
+                   help="data mixture: list of overrides of the base data spec, e.g. "
+                        "'[{}, {\"temperature\": 0.0, \"samples\": {\"gsm8k\": 1}}]'")
     p.add_argument("--cache-dir", default=None, help="distill data cache (default .cache/eagle_data)")
     p.add_argument("--export", default=None, help="copy the best checkpoint here")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -67,8 +72,8 @@ def parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace):
     from flashspec.data import repo_root
-    from flashspec.training.run import JobOptions, data_spec, train_config
-    data: dict[str, Any] = {"seed": args.seed, **(SMOKE_DATA if args.smoke else {})}
+    from flashspec.training.run import JobOptions, data_specs, train_config
+    data: dict[str, Any] = {"seed": args.seed}
     tr: dict[str, Any] = {"seed": args.seed, **(SMOKE_TRAIN if args.smoke else {})}
     for key, value in (("steps", args.steps), ("batch_tokens", args.batch_tokens), ("lr", args.lr),
                        ("unroll", args.unroll), ("n_layers", args.n_layers),
@@ -82,7 +87,9 @@ def options_from_args(args: argparse.Namespace):
     out = Path(args.out)
     cache = Path(args.cache_dir) if args.cache_dir else (
         out / "eagle_data" if args.smoke else repo_root() / ".cache" / "eagle_data")
-    return JobOptions(data=data_spec(data), train=train_config(tr), out_dir=out, cache_dir=cache,
+    mix = [{**part, **(SMOKE_DATA if args.smoke else {})}
+           for part in (DEFAULT_MIX if args.mix is None else args.mix)]
+    return JobOptions(data=data_specs(data, mix), train=train_config(tr), out_dir=out, cache_dir=cache,
                       source=args.source, export=args.export, **job)
 
 

@@ -47,6 +47,11 @@ class DataSpec:
     split: str = "train"
     topk: int = 32              # target log-probs kept per position
 
+    def __post_init__(self) -> None:
+        if self.temperature == 0 and any(int(v) > 1 for v in self.samples.values()):
+            raise FlashSpecError("greedy data (temperature 0) is deterministic: use 1 sample per "
+                                 f"prompt, got samples={self.samples}")
+
     def key(self, target_tag: str) -> str:
         blob = json.dumps({"spec": asdict(self), "target": target_tag, "format": FORMAT},
                           sort_keys=True)
@@ -134,6 +139,33 @@ def load_or_build(target: LlamaLM, tokenizer, spec: DataSpec, cache_root: Path, 
     log.info("distill data: %d sequences, %d tokens (%d response) -> %s", len(data),
              data.n_tokens, data.n_response_tokens, folder)
     return data
+
+
+def load_mix(target: LlamaLM, tokenizer, specs: Sequence[DataSpec], cache_root: Path, source: str,
+             progress: bool = True) -> DistillData:
+    """Several data specs (e.g. T=1 samples and greedy continuations), each cached, concatenated."""
+    if not specs:
+        raise FlashSpecError("no data spec given")
+    return concat([load_or_build(target, tokenizer, s, cache_root, source, progress) for s in specs])
+
+
+def concat(parts: Sequence[DistillData]) -> DistillData:
+    """One dataset from several; meta keeps each part's spec and the union of prompt ids."""
+    if len(parts) == 1:
+        return parts[0]
+    shifts = torch.tensor([0] + [p.n_tokens for p in parts[:-1]]).cumsum(0)
+    offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
+    ids: dict[str, list[str]] = {}
+    for p in parts:
+        for name, values in p.meta.get("prompt_ids", {}).items():
+            ids.setdefault(name, []).extend(v for v in values if v not in ids.get(name, []))
+    meta = {"format": FORMAT, "key": "+".join(p.meta.get("key", "?") for p in parts),
+            "parts": [{k: v for k, v in p.meta.items() if k != "sequences"} for p in parts],
+            "spec": [p.meta.get("spec") for p in parts], "target": parts[0].meta.get("target"),
+            "prompt_ids": ids, "sequences": [s for p in parts for s in p.meta.get("sequences", [])]}
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])
+    return DistillData(cat("tokens"), offsets, cat("n_prompt"), cat("features"), cat("top_ids"),
+                       cat("top_logp"), meta)
 
 
 def prompt_ids(seqs: Sequence[Sequence_]) -> dict[str, list[str]]:

@@ -18,7 +18,7 @@ from torch import nn
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
 from flashspec.training.checkpoint import save_eagle
-from flashspec.training.data import DataSpec, load_or_build
+from flashspec.training.data import DataSpec, load_mix
 from flashspec.training.train import TrainConfig, eval_prompts, train
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": 
 class JobOptions:
     """Everything a training job needs besides the target, the head and the logger."""
 
-    data: DataSpec
+    data: list[DataSpec]            # mixture parts, concatenated
     train: TrainConfig
     out_dir: Path
     cache_dir: Path
@@ -50,6 +50,11 @@ def _fields(cls, mapping: Mapping[str, Any]) -> dict[str, Any]:
 
 def data_spec(mapping: Mapping[str, Any]) -> DataSpec:
     return DataSpec(**_fields(DataSpec, mapping))
+
+
+def data_specs(base: Mapping[str, Any], mix: list[Mapping[str, Any]] | None) -> list[DataSpec]:
+    """One spec per mixture part: ``base`` updated by each entry of ``mix`` (None: base only)."""
+    return [data_spec({**base, **dict(part)}) for part in (mix or [{}])]
 
 
 def train_config(mapping: Mapping[str, Any]) -> TrainConfig:
@@ -76,7 +81,7 @@ def run_job(target: LlamaLM, tokenizer, opts: JobOptions, head: nn.Module | None
     out = Path(opts.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = prepare_head(head, opts.train_head)
-    data = load_or_build(target, tokenizer, opts.data, Path(opts.cache_dir), opts.source, opts.progress)
+    data = load_mix(target, tokenizer, opts.data, Path(opts.cache_dir), opts.source, opts.progress)
     evalset = eval_prompts(tokenizer, opts.train.eval_prompts)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     writer = RecordWriter(out / "train_records.jsonl")

@@ -48,10 +48,13 @@ class TrainConfig:
     batch_tokens: int = 2048        # padded tokens per optimiser step
     max_len: int = 640              # sequences are cut to their first max_len tokens
     unroll: int = 2                 # 1 = EAGLE-1; k > 1 also trains on its own k-1 predictions
+    unroll_from_step: int = 0       # single pass (cheaper steps) before this step
     unroll_decay: float = 0.8       # weight of pass j is decay**j
     detach_unroll: bool = False
     w_kl: float = 1.0
     w_reg: float = 1.0
+    kl_from_step: int = 0           # regression only (no head: ~4x cheaper steps) before this
+    reg: str = "smooth_l1"          # smooth_l1 on features | logit_mse: mean squared logit error
     noise: float = 0.0              # N(0, noise) added to the true input features
     loss_on: str = "response"       # response | all : positions that get the KL term
     amp: str = "bf16"               # bf16 | none
@@ -65,11 +68,14 @@ class TrainConfig:
     time_budget_s: float | None = None  # stop (with the LR schedule finished) after this long
     n_layers: int = 1
     out_norm: bool = False
+    in_norm: bool = False
     init: str = "random"            # random | layer:<i> (copy target block i into every block)
 
     def __post_init__(self) -> None:
         if self.loss_on not in ("response", "all"):
             raise FlashSpecError(f"loss_on={self.loss_on!r}; choose response or all")
+        if self.reg not in ("smooth_l1", "logit_mse"):
+            raise FlashSpecError(f"reg={self.reg!r}; choose smooth_l1 or logit_mse")
         if self.amp not in ("bf16", "none"):
             raise FlashSpecError(f"amp={self.amp!r}; choose bf16 or none")
         if self.unroll < 1 or self.steps < 1 or self.batch_tokens < self.max_len:
@@ -98,7 +104,8 @@ class EvalSet:
 def build_module(target: LlamaLM, cfg: TrainConfig) -> EagleModule:
     """A fresh drafter module in float32 on the target's device."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    module = EagleModule(target.shape, EagleConfig(n_layers=cfg.n_layers, out_norm=cfg.out_norm))
+    module = EagleModule(target.shape, EagleConfig(n_layers=cfg.n_layers, out_norm=cfg.out_norm,
+                                                      in_norm=cfg.in_norm))
     module.init_weights(generator=gen)
     if cfg.init.startswith("layer:"):
         src = target.layers[int(cfg.init.split(":", 1)[1])].state_dict()
@@ -191,8 +198,9 @@ def unroll_mask(n: int, depth: int, device) -> torch.Tensor:
 
 
 def forward_passes(module: EagleModule, target: LlamaLM, batch: Batch, cfg: TrainConfig,
-                   generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Predicted features [B, n, d] of every unrolled pass."""
+                   generator: torch.Generator | None = None, unroll: int | None = None
+                   ) -> list[torch.Tensor]:
+    """Predicted features [B, n, d] of every unrolled pass (``unroll`` defaults to cfg's)."""
     b, n = batch.tokens.shape
     pos = torch.arange(n, device=batch.tokens.device)[None].expand(b, -1)
     embeds = target.embed_tokens(batch.tokens).float()
@@ -201,7 +209,7 @@ def forward_passes(module: EagleModule, target: LlamaLM, batch: Batch, cfg: Trai
         noise = torch.randn(first.shape, generator=generator, device="cpu").to(first.device)
         first = first + cfg.noise * noise
     inputs, outs = [first], []
-    for j in range(cfg.unroll):
+    for j in range(cfg.unroll if unroll is None else unroll):
         if j:
             prev = outs[-1].detach() if cfg.detach_unroll else outs[-1]
             inputs.append(shift(prev))
@@ -271,20 +279,41 @@ def entropy_parts(logp: torch.Tensor) -> torch.Tensor:
     return -(p * logp).sum(-1) - tail * tail.log()
 
 
+def regression(out: torch.Tensor, feats: torch.Tensor, head: nn.Module, cfg: TrainConfig
+               ) -> torch.Tensor:
+    """Feature regression: SmoothL1, or the mean squared error of the full logit vectors
+    (h - f)^T (W^T W / V) (h - f), which weighs feature directions by their effect on logits."""
+    if cfg.reg == "smooth_l1":
+        return F.smooth_l1_loss(out.float(), feats)
+    x_h, weight = head_factors(head, out.float())
+    x_f, _ = head_factors(head, feats)
+    w = weight.float()
+    diff = x_h - x_f
+    return ((diff @ (w.T @ w / w.shape[0])) * diff).sum(-1).mean()
+
+
 def losses(outs: list[torch.Tensor], batch: Batch, head: nn.Module, target: LlamaLM,
-           cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted loss over passes and its parts (kl_j, reg_j, acc_j = top-1 agreement)."""
+           cfg: TrainConfig, w_kl: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted loss over passes and its parts (kl_j, reg_j, acc_j = top-1 agreement).
+
+    With ``w_kl == 0`` under autograd the head is skipped (acc_j then comes from 64 rows).
+    """
+    w_kl = cfg.w_kl if w_kl is None else w_kl
     ids, logp = batch.top_ids[batch.region], batch.top_logp[batch.region]
+    skip = w_kl == 0 and torch.is_grad_enabled()
+    if skip:
+        ids, logp = ids[:64], logp[:64]
     dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float32
     entropy = entropy_parts(logp).mean().item()
     total, stats, norm = 0.0, {}, 0.0
     for j, out in enumerate(outs):
-        x, weight = head_factors(head, out[batch.region])
+        rows = out[batch.region][:64].detach() if skip else out[batch.region]
+        x, weight = head_factors(head, rows)
         ce, top1 = TailCrossEntropy.apply(x, weight, ids, logp, dtype)
         ce = ce.mean()
-        reg = F.smooth_l1_loss(out[batch.valid].float(), batch.feats[batch.valid])
+        reg = regression(out[batch.valid], batch.feats[batch.valid], head, cfg)
         w = cfg.unroll_decay ** j
-        total = total + w * (cfg.w_kl * ce + cfg.w_reg * reg)
+        total = total + w * ((0.0 if skip else w_kl * ce) + cfg.w_reg * reg)
         norm += w
         stats.update({f"kl_{j}": ce.item() - entropy, f"reg_{j}": reg.item(),
                       f"acc_{j}": (top1 == ids[:, 0]).float().mean().item()})
@@ -427,8 +456,10 @@ def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, elapsed, cfg)
         with autocast():
-            loss, stats = losses(forward_passes(module, target, batch, cfg, gen), batch, head_module,
-                                 target, cfg)
+            depth = cfg.unroll if step >= cfg.unroll_from_step else 1
+            outs = forward_passes(module, target, batch, cfg, gen, depth)
+            loss, stats = losses(outs, batch, head_module, target, cfg,
+                                 cfg.w_kl if step >= cfg.kl_from_step else 0.0)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss at step {step}; lower the lr")
         opt.zero_grad(set_to_none=True)
