@@ -18,6 +18,7 @@ stream a drafter-selection bandit faces.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import random
@@ -176,21 +177,15 @@ def _all_prompts(name: str, source: str, folder: str) -> tuple[Prompt, ...]:
 
 
 def _read_rows(name: str, source: str) -> list[dict[str, Any]]:
-    import datasets
-
     if source == "hub":
         return _read_hub(name)
     path = data_file(name)
-    quiet = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
     try:
-        rows = list(datasets.load_dataset("json", data_files=str(path), split="train"))
-    except Exception as e:  # noqa: BLE001 - any parse failure means a broken cache file
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:  # any parse failure means a broken cache file
         raise FlashSpecError(f"cannot read {path} ({type(e).__name__}); delete it and "
                              f"{PREPARE_HINT}") from e
-    finally:
-        if not quiet:
-            datasets.enable_progress_bars()
     if len(rows) != EXPECTED_ROWS[name]:
         raise FlashSpecError(f"{path} has {len(rows)} rows, expected {EXPECTED_ROWS[name]}; "
                              f"delete it and {PREPARE_HINT}")

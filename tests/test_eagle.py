@@ -95,9 +95,13 @@ def test_feature_sync_when_another_arm_runs_between(smol, prompts, reference, dr
     rows = engine.generate(prompts, N_NEW).rows
     assert [r.tokens for r in rows] == reference
     assert all(set(r.arms) == {0, 1} for r in rows)
-    # per-step reward = α of the step; the eagle steps still draft well from synced features
+    # per-step reward = α of the step; the eagle steps still draft about as well from synced
+    # features as eagle alone does (stale or shifted features drop α to a few percent)
     eagle_alpha = [a for r in rows for a, arm in zip(r.rewards, r.arms) if arm == 1]
-    assert sum(eagle_alpha) / len(eagle_alpha) >= 0.3
+    alone = SpecEngine(model, [Arm(drafter, 4)], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
+    solo_alpha = [a for r in alone.rows for a in r.rewards]
+    mixed, solo = sum(eagle_alpha) / len(eagle_alpha), sum(solo_alpha) / len(solo_alpha)
+    assert mixed >= 0.6 * solo and mixed >= 0.15, (mixed, solo)
 
 
 def test_training_passes_match_incremental_drafting(smol):

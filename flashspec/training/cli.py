@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", type=parse_value, default=None,
                    help="data mixture: list of overrides of the base data spec, e.g. "
                         "'[{}, {\"temperature\": 0.0, \"samples\": {\"gsm8k\": 1}}]'")
+    p.add_argument("--head-rank", type=int, default=None,
+                   help="train a low-rank head of this rank with the drafter (SVD init)")
     p.add_argument("--cache-dir", default=None, help="distill data cache (default .cache/eagle_data)")
     p.add_argument("--export", default=None, help="copy the best checkpoint here")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -82,7 +84,7 @@ def options_from_args(args: argparse.Namespace):
             tr[key] = value
     if args.gen_batch is not None:
         data["batch_size"] = args.gen_batch
-    job: dict[str, Any] = {}
+    job: dict[str, Any] = {"train_head": True} if args.head_rank else {}
     apply_sets({"data": data, "train": tr, "job": job}, args.set)
     out = Path(args.out)
     cache = Path(args.cache_dir) if args.cache_dir else (
@@ -109,7 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = {"cli": vars(args), "dtype": dtype}
         logger = WandbLogger(mode=args.wandb, project="flashspec", name="train_drafter",
                              config=config, dir=opts.out_dir)
-        summary = run_job(target, tokenizer, opts, None, logger, provenance(config, args.seed))
+        head = None
+        if args.head_rank:
+            from flashspec.heads import build_head
+            head = build_head({"kind": "lowrank", "rank": args.head_rank}, target.lm_head_weight,
+                              target.shape.hidden_size).float()
+        summary = run_job(target, tokenizer, opts, head, logger, provenance(config, args.seed))
         logger.finish()
     except FlashSpecError as e:
         print(f"error: {e}", file=sys.stderr)

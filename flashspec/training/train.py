@@ -238,10 +238,10 @@ class TailCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)
         zmax, top1 = z.max(-1)
         m = zmax.to(acc)[:, None]
-        top = torch.exp(z.gather(1, ids).to(acc) - m)
+        shifted = z.gather(1, ids).to(acc) - m
         tail = z.scatter(1, ids, float("-inf")).sub_(zmax[:, None]).exp_().sum(-1, dtype=acc)
-        total = tail + top.sum(-1)
-        log_q_top = top.log() - total.log()[:, None]
+        total = tail + shifted.exp().sum(-1)
+        log_q_top = shifted - total.log()[:, None]  # in log space: exp underflow gives no -inf
         q_tail = (tail / total).clamp(min=1e-6)
         p_top = logp.to(acc).exp()
         p_tail = (1 - p_top.sum(-1)).clamp(min=0)
