@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from flashspec.matmul import linear
 import torch
 
 from flashspec.errors import FlashSpecError
@@ -29,7 +30,9 @@ def weight() -> torch.Tensor:
 def test_full_head_is_plain_matmul(weight):
     h = torch.randn(2, 3, 48, dtype=torch.float64)
     head = FullHead(weight)
-    assert torch.equal(head(h), h @ weight.T)
+    torch.testing.assert_close(head(h), h @ weight.T, rtol=1e-12, atol=1e-12)  # few-row CPU path
+    big = torch.randn(40, 48, dtype=torch.float64)  # more rows than SMALL_ROWS: plain F.linear
+    assert torch.equal(head(big), big @ weight.T)
     assert head.weight_bytes() == 300 * 48 * 8 and head.flops_per_token() == 2 * 300 * 48
 
 
@@ -83,7 +86,7 @@ def test_truncated_head_exact_inside_neg_inf_outside(weight):
     mask = torch.zeros(300, dtype=torch.bool)
     mask[keep] = True
     assert torch.isneginf(z[:, ~mask]).all()
-    kept = h @ weight[keep].T  # the kept rows' logits, placed at their ids bit for bit
+    kept = linear(h, weight[keep])  # the kept rows' logits, placed at their ids bit for bit
     assert torch.equal(z[:, keep], kept)
     torch.testing.assert_close(z[:, mask], (h @ weight.T)[:, mask], rtol=1e-12, atol=1e-12)
     assert torch.equal(head.forward_kept(h), kept)
@@ -283,3 +286,15 @@ def test_notebook_redraws_from_committed_records():
     text = "".join(o.get("text", "") for o in outputs)
     assert "bench records" in text and " 0 bench records" not in text
     assert "overlap: 0" in text  # the distillation table: train/eval prompts disjoint
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+def test_few_row_linear_matches_f_linear(rows):
+    """The CPU few-row path (W xT, a padded second column for one row) is the same product."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(70, 33, generator=g), torch.randn(70, generator=g)
+    x = torch.randn(1, rows, 33, generator=g)
+    torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    xg = x.clone().requires_grad_(True)
+    linear(xg, w).sum().backward()  # autograd takes F.linear
+    torch.testing.assert_close(xg.grad, w.sum(0).expand_as(x))

@@ -24,7 +24,8 @@ from torch import nn
 
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
-from flashspec.models.llama import Block, KVCache, LlamaLM, LlamaShape, RMSNorm
+from flashspec.models.llama import Block, KVCache, Linear, LlamaLM, LlamaShape, RMSNorm
+from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
 
 
@@ -55,7 +56,7 @@ class EagleModule(nn.Module):
         self.config = config
         self.shape = drafter_shape(shape, config.n_layers)
         d = shape.hidden_size
-        self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
+        self.fc = Linear(2 * d, d, bias=config.fc_bias)
         self.layers = nn.ModuleList(Block(i, self.shape) for i in range(config.n_layers))
         self.norm = RMSNorm(d, shape.rms_eps) if config.out_norm else None
         self.feat_norm = RMSNorm(d, shape.rms_eps) if config.in_norm else None
@@ -102,7 +103,7 @@ class CastHead(nn.Module):
         self.register_buffer("weight", weight.detach().to(dtype), persistent=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h.to(self.weight.dtype) @ self.weight.T
+        return linear(h.to(self.weight.dtype), self.weight)
 
 
 class EagleDrafter(Drafter):

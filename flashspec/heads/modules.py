@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from flashspec.errors import FlashSpecError
+from flashspec.matmul import linear
 
 
 LAYOUTS = ("out_in", "in_out")
@@ -59,7 +60,7 @@ class FullHead(nn.Module):
         return self.weight.shape[1]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.weight.T
+        return linear(h, self.weight)
 
     def weight_bytes(self) -> int:
         """Bytes of weight read per call."""
@@ -126,7 +127,7 @@ class LowRankHead(nn.Module):
         return self.w_down.shape[1]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return (h @ self.w_down.T) @ self.w_up.T
+        return linear(linear(h, self.w_down), self.w_up)
 
     def weight_bytes(self) -> int:
         return _bytes(self.w_down, self.w_up)
@@ -190,7 +191,7 @@ class TruncatedHead(nn.Module):
         return self.weight.shape[1]
 
     def forward_kept(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.weight.T
+        return linear(h, self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         kept = self.forward_kept(h)

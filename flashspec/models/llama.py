@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashspec.matmul import linear
+
 
 @dataclass
 class LlamaShape:
@@ -85,27 +87,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that runs few-row CPU products as W·xᵀ.
-
-    On CPU BLAS, ``x @ Wᵀ`` with a handful of rows (decode and verify steps) takes a packing,
-    compute-bound path, and a single row a one-thread matrix-vector path; ``W @ xᵀ`` with at
-    least two columns streams the weight once over all threads (about 2x faster end to end on
-    a 2-core box). Same math; GPU, autograd and larger batches use ``nn.Linear`` unchanged.
-    """
-
-    small_rows = 16
+    """``nn.Linear`` whose few-row CPU products take :func:`flashspec.matmul.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (x.device.type != "cpu" or not 0 < rows <= self.small_rows or x.dtype != self.weight.dtype
-                or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return super().forward(x)
-        flat = x.reshape(rows, x.shape[-1])
-        cols = flat.repeat(2, 1) if rows == 1 else flat
-        y = torch.mm(self.weight, cols.T).T[:rows]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
