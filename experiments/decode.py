@@ -81,7 +81,18 @@ def _pct(values: list[float], q: float) -> float | None:
 def spec_name(arms: list[Arm], cfg_bandit: DictConfig) -> str:
     if cfg_bandit.name == "fixed":
         return f"spec:{arms[int(cfg_bandit.get('arm', 0))].name}"
-    return f"spec:bandit:{cfg_bandit.name}"
+    reward = cfg_bandit.get("reward", "alpha") or "alpha"
+    return f"spec:bandit:{cfg_bandit.name}" + ("" if reward == "alpha" else f"/{reward}")
+
+
+def load_bandit(name: str) -> DictConfig:
+    """A ``conf/bandit/<name>.yaml`` choice, for policies compared in the same run."""
+    from flashspec.data import repo_root
+    path = repo_root() / "conf" / "bandit" / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise FlashSpecError(f"experiment.extra_bandits: unknown bandit {name!r}; choose from {choices}")
+    return OmegaConf.load(path)
 
 
 def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eos: list[int]) -> list[Method]:
@@ -104,8 +115,10 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         if m == "ar":
             methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
         elif m == "spec":
-            policy = build_policy(cfg.bandit, len(arms), int(cfg.seed))
-            methods.append(engine_method(spec_name(arms, cfg.bandit), SpecEngine(target, arms, policy, **kw)))
+            for cfg_bandit in [cfg.bandit] + [load_bandit(n) for n in exp.get("extra_bandits") or []]:
+                policy = build_policy(cfg_bandit, len(arms), int(cfg.seed))
+                methods.append(engine_method(spec_name(arms, cfg_bandit),
+                                             SpecEngine(target, arms, policy, **kw)))
         elif m == "each_arm":
             methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
         else:
@@ -173,11 +186,24 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from flashspec.records import read_records
     rows = summarize(read_records(writer.path))
     print(f"\nrecords: {writer.path}\n" + format_table(rows))
+    _stream_figure(read_records(writer.path), cfg, out_dir)
     logger.table("summary", rows)
     logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
                     for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})
     logger.finish()
     return {"summary": rows, "records": str(writer.path)}
+
+
+def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
+    """``stream.png``: arm chosen per step against the prompt's domain, for bandit methods."""
+    if not any(r.get("method", "").startswith("spec:bandit") for r in records):
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    from flashspec.bandits.stream_plot import arm_names, plot_stream
+    plot_stream(records, arm_names(OmegaConf.to_container(cfg.drafters, resolve=True)),
+                out_dir / "stream.png")
+    print(f"figure: {out_dir / 'stream.png'}")
 
 
 def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer, max_new: int,

@@ -1,0 +1,168 @@
+"""experiment=head_decode: one drafter with several LM heads on the same prompts (SlimSpec check).
+
+Each head variant (full, low-rank at several ranks from the SVD or trained, top-k truncation)
+drafts for the same drafter and γ; every variant decodes the same prompts (plus target-only AR)
+in one process. The variants' heads are also timed alone on the drafter's hidden size, so the
+run gives, per dataset and variant:
+
+- ρ_τ = τ(variant) / τ(full);
+- ν = head latency(variant) / head latency(full);
+- κ = γ · full-head latency / (full-head step latency − γ · full-head latency);
+- predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) and measured ρ_TPS = TPS(variant) / TPS(full).
+
+Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decode writes) and
+``head_summary.jsonl``; figure ``rho_tps.png`` (predicted against measured).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from experiments.decode import _decode_batch, engine_method, prompt_turn_ids
+from flashspec.build import build_drafter, build_target
+from flashspec.data import prompts_from_config
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.metrics import format_table, summarize
+from flashspec.records import RecordWriter, WandbLogger, provenance, read_records
+from flashspec.theory import rho_tps
+from flashspec.verify.sampling import SamplingParams
+
+
+def build_variants(cfg: DictConfig, target, tokenizer) -> list[tuple[str, Any]]:
+    """(name, drafter) per head variant; the first one is the full-head reference."""
+    exp = cfg.experiment
+    variants = OmegaConf.to_container(exp.variants, resolve=True)
+    if not variants or variants[0].get("head", {}).get("kind", "full") != "full":
+        raise FlashSpecError("experiment.variants must start with the full head ({name: full, "
+                             "head: {kind: full}}): every ratio is taken against it")
+    out = []
+    for v in variants:
+        spec = {**OmegaConf.to_container(exp.drafter, resolve=True), **v.get("drafter", {})}
+        spec["name"] = f"{spec.get('name', spec['kind'])}[{v['name']}]"
+        out.append((v["name"], build_drafter(spec, target, tokenizer, cfg.hardware, v.get("head"))))
+    return out
+
+
+def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
+    """Median seconds of one head call on a single hidden vector (B = 1), in this process."""
+    head = getattr(drafter, "head", None)
+    if head is None:
+        raise FlashSpecError(f"drafter {drafter.name!r} has no LM head to compare")
+    h = torch.randn(1, hidden, device=device, dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for i in range(iters + 5):
+            t0 = time.perf_counter()
+            head(h)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str, float],
+              gamma: int, methods: dict[str, str]) -> list[dict[str, Any]]:
+    """Per dataset and variant: ρ_τ, ν, κ, predicted and measured ρ_TPS."""
+    by = {(r["dataset"], r["method"]): r for r in summary}
+    full = methods["full"]
+    rows = []
+    for dataset in sorted({r["dataset"] for r in summary}):
+        ref = by.get((dataset, full))
+        if ref is None:
+            continue
+        t_head = latencies["full"]
+        kappa = gamma * t_head / max(step_s[dataset] - gamma * t_head, 1e-9)
+        for name, method in methods.items():
+            r = by.get((dataset, method))
+            if r is None:
+                continue
+            rho_tau = r["tau"] / ref["tau"]
+            nu = latencies[name] / t_head
+            rows.append({"dataset": dataset, "variant": name, "method": method, "tau": r["tau"],
+                         "rho_tau": rho_tau, "nu": nu, "kappa": kappa,
+                         "rho_tps_pred": rho_tps(rho_tau, nu, kappa),
+                         "rho_tps_meas": r["tps"] / ref["tps"], "tps": r["tps"],
+                         "head_latency_s": latencies[name], "gamma": gamma})
+    return rows
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Decode the prompts with every head variant (and AR); write records, summary and figure."""
+    torch.manual_seed(int(cfg.seed))
+    exp, ds = cfg.experiment, cfg.dataset
+    gamma = int(exp.gamma)
+    params = SamplingParams(float(exp.temperature), 0, 1.0)
+    max_new = 8 if cfg.smoke else int(ds.max_new_tokens)
+    prompts = prompts_from_config({**OmegaConf.to_container(ds, resolve=True),
+                                   **({"n_prompts": 1} if cfg.smoke else {})})
+    target, tokenizer = build_target(cfg.target, cfg.hardware)
+    eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    kw = dict(params=params, backend=cfg.hardware.verify_backend, seed=int(cfg.seed), eos_ids=eos)
+    variants = build_variants(cfg, target, tokenizer)
+    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw))]
+    names: dict[str, str] = {}
+    for name, drafter in variants:
+        names[name] = f"spec:{drafter.name}@{gamma}"
+        methods.append(engine_method(names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw)))
+    iters = 5 if cfg.smoke else int(exp.timing_iters)
+    latencies = {name: head_latency(d, target.shape.hidden_size, target.device, target.dtype, iters)
+                 for name, d in variants}
+    out_dir = Path(cfg.output_dir)
+    writer = RecordWriter(out_dir / "records.jsonl")
+    done = writer.done_keys("method", "prompt_id", "turn")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    prov = provenance(resolved, int(cfg.seed))
+    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
+                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
+                         dir=out_dir)
+    warm = prompt_turn_ids(tokenizer, prompts[0], [])
+    for m in methods:
+        m.run([warm], 4, None)
+    with tqdm(total=len(prompts) * len(methods), desc="head_decode", unit="prompt") as bar:
+        for i, p in enumerate(prompts):
+            for m in methods:
+                _decode_batch(m, [p], i, tokenizer, max_new, params, cfg, prov, writer, logger, done)
+                bar.update()
+    records = list(read_records(writer.path))
+    summary = summarize(records)
+    step_s = _step_seconds(records, names["full"])
+    rows = head_rows(summary, latencies, step_s, gamma, names)
+    head_writer = RecordWriter(out_dir / "head_summary.jsonl")
+    for r in rows:
+        head_writer.write({"experiment": "head_decode", **r, "provenance": prov})
+    print(f"\nrecords: {writer.path}\n" + format_table(summary) + "\n\n" + _table(rows))
+    _figure(rows, out_dir / "rho_tps.png")
+    logger.table("head_summary", rows)
+    logger.finish()
+    return {"summary": summary, "heads": rows}
+
+
+def _step_seconds(records: list[dict], method: str) -> dict[str, float]:
+    """Mean decode seconds per speculative step of ``method``, per dataset."""
+    out: dict[str, list[float]] = {}
+    for r in records:
+        if r["method"] == method and r["steps"]:
+            out.setdefault(r["dataset"], []).append((r["decode_s"], r["steps"]))
+    return {d: sum(s for s, _ in v) / sum(n for _, n in v) for d, v in out.items()}
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "rho_tps_pred", "rho_tps_meas"]
+    cells = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def _figure(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from flashspec.heads.plot import plot_rho_tps
+    plot_rho_tps(rows, path)

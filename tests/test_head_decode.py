@@ -1,0 +1,50 @@
+"""experiment=head_decode's ratios (pure functions) and the bandit stream figure helpers."""
+import math
+
+import pytest
+
+from experiments.head_decode import _step_seconds, head_rows
+from flashspec.bandits.stream_plot import arm_names, stream
+from flashspec.theory import rho_tps
+
+
+def _summary(tau_full, tps_full, tau_low, tps_low):
+    return [{"dataset": "humaneval", "method": "spec:e[full]@3", "tau": tau_full, "tps": tps_full},
+            {"dataset": "humaneval", "method": "spec:e[low]@3", "tau": tau_low, "tps": tps_low},
+            {"dataset": "humaneval", "method": "ar", "tau": 1.0, "tps": 40.0}]
+
+
+def test_head_rows_ratios_and_prediction():
+    methods = {"full": "spec:e[full]@3", "low": "spec:e[low]@3"}
+    # step 40 ms of which 3 x 4 ms full head: kappa = 12 / 28
+    rows = head_rows(_summary(2.0, 50.0, 1.9, 55.0), {"full": 0.004, "low": 0.0008},
+                     {"humaneval": 0.040}, 3, methods)
+    low = next(r for r in rows if r["variant"] == "low")
+    assert math.isclose(low["kappa"], 12 / 28)
+    assert math.isclose(low["nu"], 0.2) and math.isclose(low["rho_tau"], 0.95)
+    assert math.isclose(low["rho_tps_pred"], rho_tps(0.95, 0.2, 12 / 28))
+    assert math.isclose(low["rho_tps_meas"], 1.1)
+    full = next(r for r in rows if r["variant"] == "full")
+    assert full["rho_tau"] == 1.0 and full["rho_tps_pred"] == pytest.approx(1.0)
+
+
+def test_step_seconds_is_a_ratio_of_sums():
+    recs = [{"method": "m", "dataset": "d", "decode_s": 1.0, "steps": 10},
+            {"method": "m", "dataset": "d", "decode_s": 3.0, "steps": 10},
+            {"method": "other", "dataset": "d", "decode_s": 9.0, "steps": 1}]
+    assert _step_seconds(recs, "m") == {"d": 0.2}
+
+
+def test_arm_names_follow_the_engine_order():
+    explicit = {"drafters": [{"name": "a"}, {"name": "b"}], "arms": [["b", 2], ["a", 3]]}
+    assert arm_names(explicit) == ["b@2", "a@3"]
+    product = {"drafters": [{"name": "a"}, {"name": "b"}], "gammas": [2, 4], "arms": None}
+    assert arm_names(product) == ["a@2", "a@4", "b@2", "b@4"]
+
+
+def test_stream_concatenates_steps_of_one_method():
+    recs = [{"method": "x", "domain": "code", "arms": [0, 1], "rewards": [0.5, 0.25]},
+            {"method": "y", "domain": "chat", "arms": [1], "rewards": [1.0]},
+            {"method": "x", "domain": "chat", "arms": [2], "rewards": [0.0]}]
+    s = stream(recs, "x")
+    assert s == {"reward": [0.5, 0.25, 0.0], "arm": [0, 1, 2], "domain": ["code", "code", "chat"]}
