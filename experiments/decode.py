@@ -82,7 +82,9 @@ def spec_name(arms: list[Arm], cfg_bandit: DictConfig) -> str:
     if cfg_bandit.name == "fixed":
         return f"spec:{arms[int(cfg_bandit.get('arm', 0))].name}"
     reward = cfg_bandit.get("reward", "alpha") or "alpha"
-    return f"spec:bandit:{cfg_bandit.name}" + ("" if reward == "alpha" else f"/{reward}")
+    key = cfg_bandit.get("key") or "domain"
+    return (f"spec:bandit:{cfg_bandit.name}" + ("" if key == "domain" else f"[{key}]")
+            + ("" if reward == "alpha" else f"/{reward}"))
 
 
 def load_bandit(name: str) -> DictConfig:

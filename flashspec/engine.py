@@ -193,7 +193,7 @@ class SpecEngine:
         step_s: list[float] = []
         while not all(state.finished):
             ts = time.perf_counter()
-            context = {"step": len(step_s), "domain": domain}
+            context = self._context(state, len(step_s), domain)
             arm_id = self.policy.select(context)
             arm = self.arms[arm_id]
             drafts, draft_logits = self._propose(state, arm)
@@ -216,6 +216,14 @@ class SpecEngine:
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
         t1 = time.perf_counter()
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s)
+
+    def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
+        """What the policy may condition on: step, domain, and drafter features it asks for."""
+        context: dict = {"step": step, "domain": domain}
+        wanted = set(getattr(self.policy, "context_keys", ())) - set(context)
+        for drafter in {a.drafter for a in self.arms if a.drafter is not None} if wanted else ():
+            context.update(drafter.features(state))
+        return context
 
     @staticmethod
     def _record(rows: list[RowResult], active: list[bool], arm_id: int, gamma: int,

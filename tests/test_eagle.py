@@ -194,3 +194,17 @@ def test_train_drafter_smoke(tmp_path):
     assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
     assert any("eval/tau_mean" in r and r["eval/tau_mean"] >= 1.0 for r in records)
     assert (out / "eagle_last.safetensors").is_file()
+
+
+@needs_ckpt
+def test_greedy_equality_with_an_ngram_hit_contextual_bandit(smol, prompts, reference, drafter):
+    """A policy conditioned on a drafter feature (ngram_hit, from committed tokens) keeps greedy
+    output equal to the target's, and both contexts occur."""
+    from flashspec.bandits.contextual import PerDomain
+    model, tok = smol
+    policy = PerDomain(2, seed=0, inner={"name": "thompson"}, key="ngram_hit")
+    engine = SpecEngine(model, [Arm(NgramDrafter(), 3), Arm(drafter, 3)], policy,
+                        eos_ids=[tok.eos_token_id])
+    rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
+    assert [r.tokens for r in rows] == reference
+    assert set(policy.policies) >= {True, False}

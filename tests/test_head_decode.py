@@ -48,3 +48,20 @@ def test_stream_concatenates_steps_of_one_method():
             {"method": "x", "domain": "chat", "arms": [2], "rewards": [0.0]}]
     s = stream(recs, "x")
     assert s == {"reward": [0.5, 0.25, 0.0], "arm": [0, 1, 2], "domain": ["code", "code", "chat"]}
+
+
+def test_ngram_hit_feature_and_contextual_keys():
+    import torch
+    from flashspec.bandits.contextual import PerDomain
+    from flashspec.drafters.base import DecodeState
+    from flashspec.drafters.ngram import NgramDrafter
+
+    def state(rows):
+        return DecodeState(tokens=torch.zeros(len(rows), 8, dtype=torch.long), lengths=[len(r) for r in rows],
+                           host_tokens=[list(r) for r in rows], finished=[False] * len(rows))
+
+    d = NgramDrafter(3, 1)
+    assert d.features(state([[5, 6, 7, 5]])) == {"ngram_hit": True}    # 5 seen before: copy 6
+    assert d.features(state([[5, 6, 7, 8]])) == {"ngram_hit": False}
+    assert d.features(state([[5, 6, 7, 5], [1, 2]])) == {"ngram_hit": False}  # all live rows must hit
+    assert PerDomain(2, key="ngram_hit").context_keys == ("ngram_hit",)

@@ -40,6 +40,11 @@ class PerDomain(Policy):
         self._last_key: object = None
         self._policy(None)  # validate the inner spec now rather than at the first step
 
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """Context entries this policy reads (the engine computes drafter features on demand)."""
+        return (self.key,)
+
     def _policy(self, key: object) -> Policy:
         if key not in self.policies:
             from flashspec.bandits.factory import make_policy

@@ -67,3 +67,7 @@ class Drafter:
 
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         """Rows advanced by n_accepted[b] + 1 tokens (already in ``state``)."""
+
+    def features(self, state: DecodeState) -> dict[str, object]:
+        """Cheap facts about the next step a context-conditioned bandit may read (past only)."""
+        return {}

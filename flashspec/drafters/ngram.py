@@ -29,6 +29,12 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
 
+    def features(self, state: DecodeState) -> dict[str, object]:
+        """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
+        hits = [bool(lookup(toks, 1, self.max_ngram, self.min_ngram))
+                for toks, done in zip(state.host_tokens, state.finished) if not done]
+        return {"ngram_hit": bool(hits) and all(hits)}
+
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
         found = [[] if done else lookup(toks, gamma, self.max_ngram, self.min_ngram)
