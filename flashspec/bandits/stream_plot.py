@@ -37,7 +37,7 @@ def plot_stream(records: Iterable[Mapping[str, Any]], names: Sequence[str], path
     records = list(records)
     methods = list(dict.fromkeys(r["method"] for r in records if r.get("method", "").startswith("spec:bandit")))
     fig, axes = plt.subplots(2, max(1, len(methods)), figsize=(5.2 * max(1, len(methods)), 5.6),
-                             squeeze=False, sharex="col")
+                             squeeze=False)
     for col, method in enumerate(methods):
         s = stream(records, method)
         steps = np.arange(len(s["arm"]))
@@ -48,11 +48,12 @@ def plot_stream(records: Iterable[Mapping[str, Any]], names: Sequence[str], path
         top.plot(steps[:len(smooth)], smooth, color="k", lw=1)
         top.set_title(method.removeprefix("spec:bandit:"), fontsize=10)
         top.set_ylabel(f"reward (rolling {window})")
+        top.set_xlabel("rewarded step (steps that proposed drafts)", fontsize=8)
         colors = [DOMAIN_COLORS.get(d, "#7f7f7f") for d in s["domain"]]
         bottom.scatter(steps, s["arm"], c=colors, s=4)
         bottom.set_yticks(range(len(names)), names, fontsize=8)
         bottom.set_xlabel("decoding step (stream order)")
-        _shade(top, s["domain"])
+        _shade(bottom, s["domain"])
     handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=d) for d, c in DOMAIN_COLORS.items()]
     fig.legend(handles=handles, loc="upper right", fontsize=8)
     fig.tight_layout()
