@@ -153,12 +153,15 @@ def test_factory_errors_are_clear():
 @pytest.mark.parametrize("path", sorted((ROOT / "conf" / "bandit").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_bandit_config_builds(path):
     cfg = OmegaConf.load(path)
-    assert cfg.name == path.stem and cfg.reward == "alpha" and cfg.full_info is False
+    # a choice is a policy (its file stem) or a named preset of one, e.g. ucb1_tps, ngram_hit_tps
+    assert cfg.name == path.stem or (path.stem.endswith("_" + cfg.reward) and cfg.reward != "alpha")
+    assert cfg.full_info is False
     extra = {"means": [0.1, 0.2, 0.3]} if cfg.name == "oracle" else {}
     pol = from_config(cfg, 3, 0, **extra)
-    assert pol.reward_kind == "alpha" and pol.full_info is False
-    arm = pol.select({"step": 0, "domain": "code"})
-    pol.update(arm, 0.5, 1.0, {"step": 0, "domain": "code"})
+    assert pol.reward_kind == cfg.reward and pol.full_info is False
+    context = {"step": 0, "domain": "code", "ngram_hit": True}
+    arm = pol.select(context)
+    pol.update(arm, 0.5 * pol.reward_scale, 1.0, context)
     assert 0 <= arm < 3 and pol.counts.sum() == 1
 
 
