@@ -4,7 +4,8 @@ The target is SmolLM2 cut to its first two layers (real weights, V = 49152); 2,0
 the whole-engine check inside a CI budget (the 10,000-sample gate runs at the verify level). The first generated token is gated against the exact warped target
 probabilities (KS + χ²); the pair (first, second token) of speculative decoding is compared
 with target-only sampling of the same engine by a χ² homogeneity test. Drafters: n-gram
-lookup (one-hot q), a one-layer self-drafter (full q), and a UCB1 bandit choosing among them.
+lookup (one-hot q), a one-layer self-drafter (full q), a UCB1 bandit choosing among them, and
+the committed trained EAGLE drafter with its low-rank head (full q).
 """
 from __future__ import annotations
 
@@ -60,12 +61,19 @@ def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float
 
 
 def arms_for(model, kind: str) -> list[Arm]:
+    if kind == "eagle":  # the committed trained drafter (rank-72 head, full q) on these features
+        from flashspec.drafters.eagle import EagleDrafter
+        return [Arm(EagleDrafter.from_spec({"name": "eagle", "checkpoint": str(EAGLE)}, model), 2)]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
     return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
 
 
-@pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50)])
+EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr72.safetensors"
+
+
+@pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
+                                                    ("eagle", 1.0, 0)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
