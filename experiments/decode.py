@@ -186,9 +186,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 _decode_batch(m, batch, bi, tokenizer, max_new, params, cfg, prov, writer, logger, done)
                 bar.update()
     from flashspec.records import read_records
-    rows = summarize(read_records(writer.path))
+    records = list(read_records(writer.path))
+    rows = summarize(records)
     print(f"\nrecords: {writer.path}\n" + format_table(rows))
-    _stream_figure(read_records(writer.path), cfg, out_dir)
+    _stream_figure(records, cfg, out_dir)
     logger.table("summary", rows)
     logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
                     for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})

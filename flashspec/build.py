@@ -81,13 +81,19 @@ def build_drafter(spec: Mapping[str, Any], target: LlamaLM, tokenizer, cfg_hardw
     raise FlashSpecError(f"unknown drafter kind {kind!r} for {name!r}; choose one of {DRAFTER_KINDS}")
 
 
-def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
-    """Arms (drafter, γ): the explicit ``arms`` list, or every drafter × every γ in ``gammas``."""
+def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(drafter name, γ) per arm: the explicit ``arms`` list, or every drafter × every γ."""
     pairs = cfg_drafters.get("arms")
     if pairs is None:
-        pairs = [(name, g) for name in drafters for g in cfg_drafters.get("gammas", [4])]
+        names = [d.get("name") or d.get("kind") for d in cfg_drafters.get("drafters", [])]
+        pairs = [(name, g) for name in names for g in cfg_drafters.get("gammas", [4])]
+    return [(name, gamma) for name, gamma in pairs]
+
+
+def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
+    """Arms (drafter, γ): the explicit ``arms`` list, or every drafter × every γ in ``gammas``."""
     arms = []
-    for name, gamma in pairs:
+    for name, gamma in arm_pairs(cfg_drafters):
         if name not in drafters:
             raise FlashSpecError(f"arm names drafter {name!r}, not in the drafter set {list(drafters)}")
         if int(gamma) <= 0:

@@ -91,6 +91,7 @@ class SpecEngine:
             if arm.gamma < 0 or (arm.drafter is not None and arm.gamma == 0):
                 raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
         self.target, self.arms, self.params = target, list(arms), params
+        self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedPolicy(0)
         self.verify = get_backend(backend)
         self.seed, self.calls = seed, 0
@@ -201,7 +202,7 @@ class SpecEngine:
             active = [not f for f in state.finished]
             out, n_acc = self._verify(state, drafts, draft_logits)
             self._commit(state, out, n_acc, budgets)
-            for drafter in {a.drafter for a in self.arms if a.drafter is not None}:
+            for drafter in self.drafters:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
@@ -221,7 +222,7 @@ class SpecEngine:
         """What the policy may condition on: step, domain, and drafter features it asks for."""
         context: dict = {"step": step, "domain": domain}
         wanted = set(getattr(self.policy, "context_keys", ())) - set(context)
-        for drafter in {a.drafter for a in self.arms if a.drafter is not None} if wanted else ():
+        for drafter in self.drafters if wanted else ():
             context.update(drafter.features(state))
         return context
 

@@ -8,11 +8,9 @@ DOMAIN_COLORS = {"code": "#1f77b4", "math": "#2ca02c", "chat": "#d62728"}
 
 
 def arm_names(cfg_drafters: Mapping[str, Any]) -> list[str]:
-    """Arm names ``drafter@gamma`` in the engine's order (explicit ``arms`` or drafters × gammas)."""
-    pairs = cfg_drafters.get("arms")
-    if pairs is None:
-        pairs = [(d["name"], g) for d in cfg_drafters["drafters"] for g in cfg_drafters.get("gammas", [4])]
-    return [f"{name}@{int(gamma)}" for name, gamma in pairs]
+    """Arm names ``drafter@gamma`` in the engine's order (see :func:`flashspec.build.arm_pairs`)."""
+    from flashspec.build import arm_pairs
+    return [f"{name}@{int(gamma)}" for name, gamma in arm_pairs(cfg_drafters)]
 
 
 def stream(records: Iterable[Mapping[str, Any]], method: str) -> dict[str, list]:
