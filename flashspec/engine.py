@@ -18,6 +18,7 @@ import torch
 from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
+from flashspec.graphs import GraphedStep
 from flashspec.models.llama import LlamaLM
 from flashspec.verify import get_backend
 from flashspec.verify.rng import call_seed
@@ -64,6 +65,7 @@ class BatchResult:
     wall_s: float
     decode_s: float
     step_s: list[float]
+    capture_s: float = 0.0      # CUDA-graph capture time spent inside this call (cold start)
 
 
 class FixedPolicy:
@@ -80,11 +82,16 @@ class FixedPolicy:
 
 
 class SpecEngine:
-    """Speculative decoding of ``target`` with a set of arms chosen by ``policy``."""
+    """Speculative decoding of ``target`` with a set of arms chosen by ``policy``.
+
+    ``graphs=True`` runs the target's verify step through :class:`flashspec.graphs.GraphedStep`
+    (static buffers, attention over the whole static cache; CUDA graphs on a GPU, with the fused
+    verify inside when the backend is 'triton' and no top-k/top-p warp is set).
+    """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Any = None,
                  params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
-                 eos_ids: Sequence[int] = ()) -> None:
+                 eos_ids: Sequence[int] = (), graphs: bool = False) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -99,6 +106,8 @@ class SpecEngine:
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed)
         self.cache = None
+        self.graphs, self.backend = graphs, backend
+        self.step_runner: GraphedStep | None = None
 
     # ----------------------------------------------------------------- setup
     def _start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeState:
@@ -107,6 +116,8 @@ class SpecEngine:
         gamma_max = max(a.gamma for a in self.arms)
         capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
         limit = self.target.shape.max_positions
+        if self.graphs:  # round up so that one cache (and its graphs) serves many prompts
+            capacity = min(-(-capacity // 256) * 256, max(limit, capacity))
         if capacity > limit:
             raise FlashSpecError(f"prompt of {max(len(p) for p in prompts)} tokens + "
                                  f"{max_new_tokens} new exceeds the context window ({limit}); "
@@ -119,6 +130,10 @@ class SpecEngine:
                             host_tokens=[list(p) for p in prompts], finished=[False] * batch)
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(batch, capacity)
+            self.step_runner = None
+        if self.graphs and self.step_runner is None:
+            fuse = self.backend == "triton" and self.params.top_k == 0 and self.params.top_p >= 1.0
+            self.step_runner = GraphedStep(self.target, self.cache, self.verify, self.params, fuse)
         for arm in self.arms:
             if arm.drafter is not None:
                 arm.drafter.reset(batch, capacity)
@@ -141,12 +156,15 @@ class SpecEngine:
         feed = torch.cat([last, drafts], dim=1)
         pos = torch.tensor(state.lengths, device=state.device)[:, None] - 1 + torch.arange(
             feed.shape[1], device=state.device)
-        hidden = self.target.forward_hidden(feed, pos, self.cache, span=max(state.lengths) + drafts.shape[1])
-        state.set_hidden(hidden, [n - 1 for n in state.lengths], None)
-        logits = self.target.logits(hidden)
-        out, n_acc = self.verify(logits, drafts, draft_logits, self.params,
-                                 call_seed(self.seed, self.calls))
+        seed = call_seed(self.seed, self.calls)
         self.calls += 1
+        if self.step_runner is not None:
+            hidden, out, n_acc = self.step_runner(feed, pos, drafts, draft_logits, seed)
+        else:
+            hidden = self.target.forward_hidden(feed, pos, self.cache,
+                                                span=max(state.lengths) + drafts.shape[1])
+            out, n_acc = self.verify(self.target.logits(hidden), drafts, draft_logits, self.params, seed)
+        state.set_hidden(hidden, [n - 1 for n in state.lengths], None)
         host = torch.cat([out, n_acc[:, None].to(out.dtype)], dim=1).tolist()  # the one host read
         counts = [int(row[-1]) for row in host]
         if min(counts) < 0:  # the GPU kernel flags NaN/inf logits or bad drafts without a sync
@@ -157,7 +175,7 @@ class SpecEngine:
     def _commit(self, state: DecodeState, out: list[list[int]], n_acc: list[int],
                 budgets: list[int]) -> list[int]:
         """Append accepted tokens (clipped at EOS and the budget); returns tokens added per row."""
-        added = []
+        added, where = [], []
         for b, (row, n) in enumerate(zip(out, n_acc)):
             if state.finished[b]:
                 added.append(0)
@@ -169,12 +187,15 @@ class SpecEngine:
                     state.finished[b] = True
                     break
             L = state.lengths[b]
-            state.tokens[b, L:L + len(new)] = torch.tensor(new, device=state.device)
+            where += [(b, L + i, tok) for i, tok in enumerate(new)]
             state.host_tokens[b].extend(new)
             state.lengths[b] = L + len(new)
             budgets[b] -= len(new)
             state.finished[b] = state.finished[b] or budgets[b] <= 0
             added.append(len(new))
+        if where:  # one host-to-device copy for every row's new tokens
+            rows, cols, toks = torch.tensor(where, dtype=torch.long).to(state.device).unbind(1)
+            state.tokens[rows, cols] = toks
         state.hidden_valid = [min(n + 1, a) if a else 0 for n, a in zip(n_acc, added)]
         return added
 
@@ -187,6 +208,7 @@ class SpecEngine:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0 = time.perf_counter()
         state = self._start(prompts, max_new_tokens)
+        capture0 = self.step_runner.capture_s if self.step_runner is not None else 0.0
         state.domain = domain
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
         budgets = [max_new_tokens] * len(prompts)
@@ -216,7 +238,9 @@ class SpecEngine:
         for b, row in enumerate(rows):
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
         t1 = time.perf_counter()
-        return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s)
+        capture = self.step_runner.capture_s - capture0 if self.step_runner is not None else 0.0
+        return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
+                           capture_s=capture)
 
     def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
         """What the policy may condition on: step, domain, and drafter features it asks for."""

@@ -102,6 +102,32 @@ def test_greedy_speculative_equals_target(smol, prompts, reference, arms, kind, 
     assert all(0 <= r.n_accepted <= r.n_proposed for r in rows)
 
 
+class Cycle:
+    """A policy that walks through the arms in turn (widths change every step)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i = n, -1
+
+    def select(self, context=None) -> int:
+        self.i = (self.i + 1) % self.n
+        return self.i
+
+    def update(self, *args, **kwargs) -> None:
+        return None
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_static_step_path_equals_target(smol, prompts, reference, arms, batch):
+    """graphs=True (static buffers, attention over the whole cache; eager on a CPU) is exact."""
+    model, tok = smol
+    arm_set = [arms["ngram"], Arm(arms["ngram"].drafter, 2), Arm(None, 0)]
+    engine = SpecEngine(model, arm_set, Cycle(len(arm_set)), eos_ids=[tok.eos_token_id], graphs=True)
+    rows = ([engine.generate([p], N_NEW).rows[0] for p in prompts] if batch == 1
+            else engine.generate(prompts, N_NEW).rows)
+    assert [r.tokens for r in rows] == reference
+    assert engine.step_runner is not None and len(engine.step_runner.slots) >= 2
+
+
 def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, arms):
     """Rows in one batch accept different counts in the same step (no cut to the batch minimum)."""
     model, tok = smol

@@ -1,0 +1,108 @@
+"""The target's verify step as CUDA graphs: forward, head and (fused) verify in one replay.
+
+One graph per (batch, width, full q or one-hot): the step's inputs are copied into static
+buffers, the graph is replayed, and the engine reads the emitted tokens and counts once. The
+attention spans the whole static cache (positions, not a host-known length, mask it), so a
+graph is valid for every step of every prompt as long as the cache object stays the same.
+Graphs are captured lazily, at the first step of a new shape, after two eager warm-up runs on
+a side stream (they compute exactly what the replay will, so they are harmless).
+
+``capture=False`` runs the very same static-buffer step eagerly: the CPU path of the tests.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.verify.sampling import SamplingParams
+
+VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Slot:
+    """Static inputs and outputs of one captured shape."""
+
+    tokens: torch.Tensor            # [B, w] int64
+    positions: torch.Tensor         # [B, w] int64
+    drafts: torch.Tensor            # [B, w - 1] int64
+    draft_logits: torch.Tensor | None
+    seed: torch.Tensor              # [] int64
+    graph: torch.cuda.CUDAGraph | None = None
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    n_acc: torch.Tensor | None = None
+
+
+class GraphedStep:
+    """``step(tokens, positions, drafts, draft_logits, seed)`` of the target, replayed as a graph."""
+
+    def __init__(self, target: LlamaLM, cache: KVCache, verify: VerifyFn, params: SamplingParams,
+                 fuse_verify: bool, capture: bool = True) -> None:
+        self.target, self.cache, self.verify, self.params = target, cache, verify, params
+        self.fuse_verify = fuse_verify
+        self.capture = capture and target.device.type == "cuda"
+        self.slots: dict[tuple[int, int, int], _Slot] = {}
+        self.capture_s = 0.0
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, drafts: torch.Tensor,
+                 draft_logits: torch.Tensor | None, seed: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [B, w, d], out [B, w] padded with -1, n_accepted [B]) of one verify step."""
+        slot = self._slot(tokens.shape, None if draft_logits is None else draft_logits.shape)
+        slot.tokens.copy_(tokens, non_blocking=True)
+        slot.positions.copy_(positions, non_blocking=True)
+        slot.drafts.copy_(drafts, non_blocking=True)
+        if draft_logits is not None:
+            slot.draft_logits.copy_(draft_logits, non_blocking=True)
+        slot.seed.fill_(seed)
+        if slot.graph is None and self.capture:
+            self._capture(slot)
+        if slot.graph is not None:
+            slot.graph.replay()
+        else:
+            self._run(slot)
+        if not self.fuse_verify:
+            slot.out, slot.n_acc = self.verify(slot.logits, slot.drafts, slot.draft_logits,
+                                               self.params, int(seed))
+        return slot.hidden, slot.out, slot.n_acc
+
+    def _slot(self, shape: torch.Size, q_shape: torch.Size | None) -> _Slot:
+        key = (shape[0], shape[1], q_shape is not None)
+        if key not in self.slots:
+            dev = self.target.device
+            batch, width = shape
+            q = None if q_shape is None else torch.zeros(q_shape, dtype=self.target.dtype, device=dev)
+            self.slots[key] = _Slot(
+                tokens=torch.zeros(batch, width, dtype=torch.long, device=dev),
+                positions=torch.zeros(batch, width, dtype=torch.long, device=dev),
+                drafts=torch.zeros(batch, width - 1, dtype=torch.long, device=dev),
+                draft_logits=q, seed=torch.zeros((), dtype=torch.long, device=dev))
+        return self.slots[key]
+
+    def _run(self, slot: _Slot) -> None:
+        """The step itself, on static buffers (what a graph records)."""
+        slot.hidden = self.target.forward_hidden(slot.tokens, slot.positions, self.cache)
+        slot.logits = self.target.logits(slot.hidden)
+        if self.fuse_verify:
+            slot.out, slot.n_acc = self.verify(slot.logits, slot.drafts, slot.draft_logits,
+                                               self.params, slot.seed)
+
+    def _capture(self, slot: _Slot) -> None:
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(slot)
+        torch.cuda.current_stream().wait_stream(side)
+        slot.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(slot.graph):
+            self._run(slot)
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
