@@ -14,7 +14,7 @@ from flashspec.heads.bench import BenchConfig, main, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
          "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout",
-         "cuda_graphs")
+         "cuda_graphs", "triton")
 
 
 def bench_config(cfg: Any) -> BenchConfig:

@@ -6,6 +6,10 @@ interleaved rounds in one process (each round times every variant once, in a shu
 order), after warm-up, cycling through enough weight copies that the working set exceeds
 the last-level cache. CPU: perf_counter; CUDA: torch.cuda.Event pairs.
 
+``lowrank_d/N`` runs both projections through F.linear (cuBLAS on CUDA);
+``lowrank_triton_d/N`` (CUDA, B <= 16) runs the up projection through the Triton kernel of
+:mod:`flashspec.heads.triton_head` (the down projection stays F.linear).
+
 Needs torch only (no Hydra, OmegaConf, W&B, safetensors): ``python -m flashspec.heads.bench``
 or ``python -m experiments.head_bench`` (same CLI).
 """
@@ -31,6 +35,7 @@ SHAPES = ((576, 49152), (2048, 32000), (4096, 128256), (3584, 152064))
 SHAPE_NAMES = {(576, 49152): "smollm2-135m", (2048, 32000): "tinyllama-1.1b",
                (4096, 128256): "llama-3.1-8b", (3584, 152064): "qwen2.5-7b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRITON_MAX_ROWS = 16  # flashspec.heads.triton_head.MAX_ROWS (not imported: triton stays optional)
 
 
 @dataclass
@@ -53,10 +58,17 @@ class BenchConfig:
     threads: int | None = None        # CPU intra-op threads (None: torch's default)
     layout: str = "out_in"            # weight storage of every head: out_in (nn.Linear) | in_out
     cuda_graphs: bool = False         # CUDA: time graph replays (device time, no launch gaps)
+    triton: bool = True               # CUDA, B <= 16: also time lowrank_triton_d/N
     seed: int = 0
 
     def resolved_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+    def triton_at(self, batch: int) -> bool:
+        """Whether the Triton low-rank variants are timed at this batch size."""
+        from flashspec.heads.modules import HEAD_TRITON
+        return (self.triton and HEAD_TRITON and self.device.startswith("cuda")
+                and batch <= TRITON_MAX_ROWS)
 
     @classmethod
     def smoke(cls, device: str = "cpu", dtype: str | None = None) -> "BenchConfig":
@@ -102,9 +114,17 @@ def n_copies(weight_bytes: int, flush_bytes: int, cap: int) -> int:
     return max(1, min(cap, math.ceil(flush_bytes / max(1, weight_bytes))))
 
 
+def _lowrank(w_down: torch.Tensor, w_up: torch.Tensor, layout: str, use_triton: bool
+             ) -> LowRankHead:
+    head = LowRankHead(w_down, w_up, layout)
+    head.use_triton = use_triton
+    return head
+
+
 def _variants(d: int, vocab: int, cfg: BenchConfig, dtype: torch.dtype, flush: int,
-              gen: torch.Generator) -> list[Variant]:
-    """Full, low-rank (r = d/N) and equal-cost truncated heads with random weights."""
+              gen: torch.Generator, triton: bool = False) -> list[Variant]:
+    """Full, low-rank (r = d/N; with ``triton`` also its Triton up projection) and equal-cost
+    truncated heads with random weights."""
     dev = cfg.device
     full_w = (torch.randn(vocab, d, generator=gen) * 0.02).to(dev, dtype)
 
@@ -126,9 +146,13 @@ def _variants(d: int, vocab: int, cfg: BenchConfig, dtype: torch.dtype, flush: i
     for div in cfg.rank_divs:
         r = max(1, d // div)
         k = equal_cost_keep(r, vocab, d)
-        out.append(make(f"lowrank_d/{div}", "lowrank", r, None, div, lambda: LowRankHead(
-            (torch.randn(r, d, generator=gen) * 0.05).to(dev, dtype),
-            (torch.randn(vocab, r, generator=gen) * 0.05).to(dev, dtype), cfg.layout)))
+        for name, kind, tri in ((f"lowrank_d/{div}", "lowrank", False),
+                                (f"lowrank_triton_d/{div}", "lowrank_triton", True)):
+            if tri and not triton:
+                continue
+            out.append(make(name, kind, r, None, div, lambda tri=tri: _lowrank(
+                (torch.randn(r, d, generator=gen) * 0.05).to(dev, dtype),
+                (torch.randn(vocab, r, generator=gen) * 0.05).to(dev, dtype), cfg.layout, tri)))
         ids = torch.randperm(vocab, generator=gen)[:k].sort().values
         out.append(make(f"truncated_d/{div}", "truncated", None, k, div,
                         lambda: TruncatedHead(full_w, ids, vocab, layout=cfg.layout)))
@@ -192,7 +216,7 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
     dtype = DTYPES[cfg.resolved_dtype()]
     gen = torch.Generator().manual_seed(cfg.seed)
     flush = int(cfg.flush_factor * last_level_cache_bytes(cfg.device))
-    variants = _variants(d, vocab, cfg, dtype, flush, gen)
+    variants = _variants(d, vocab, cfg, dtype, flush, gen, cfg.triton_at(batch))
     x = torch.randn(batch, d, generator=gen).to(cfg.device, dtype)
     timer = Timer(cfg.device)
     with torch.inference_mode():
@@ -340,7 +364,7 @@ def plot_nu(records: Iterable[dict[str, Any]], path: str | Path) -> Path | None:
 
 def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
     """Matplotlib format per (kind, batch): colour by kind, line style by batch."""
-    colors = {"lowrank": "C0", "truncated": "C1", "truncated_kept": "C2"}
+    colors = {"lowrank": "C0", "truncated": "C1", "truncated_kept": "C2", "lowrank_triton": "C3"}
     styles = ["o-", "s--", "^-.", "v:"]
     batches = sorted({r["batch"] for r in rows})
     present = {(r["kind"], r["batch"]) for r in rows}
@@ -363,6 +387,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="weight storage: out_in = nn.Linear [out, in] row-major; in_out = transposed")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time CUDA-graph replays (device time without launch gaps)")
+    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA, B <= 16: also time lowrank_triton_d/N (Triton up projection)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="a few seconds, smallest shape")
     return p.parse_args(argv)
@@ -371,13 +397,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     if a.smoke:
         return replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout,
-                       cuda_graphs=a.cuda_graphs)
+                       cuda_graphs=a.cuda_graphs, triton=a.triton)
     shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes] if a.shapes
               else [tuple(s) for s in SHAPES])
     return BenchConfig(shapes=shapes, batches=a.batches, rank_divs=a.rank_divs, device=a.device,
                        dtype=a.dtype, budget_s=a.budget_s, min_rounds=a.min_rounds,
                        threads=a.threads, layout=a.layout, cuda_graphs=a.cuda_graphs,
-                       seed=a.seed)
+                       triton=a.triton, seed=a.seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

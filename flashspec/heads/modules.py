@@ -7,6 +7,7 @@ head writes -inf outside its kept ids: those tokens have q = 0 and can never be 
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable, Sequence
 
 import torch
@@ -17,6 +18,8 @@ from flashspec.matmul import linear
 
 
 LAYOUTS = ("out_in", "in_out")
+# FLASHSPEC_HEAD_TRITON=0: LowRankHead's up projection uses F.linear on CUDA too
+HEAD_TRITON = os.environ.get("FLASHSPEC_HEAD_TRITON", "1") != "0"
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -77,9 +80,16 @@ class FullHead(nn.Module):
 
 
 class LowRankHead(nn.Module):
-    """SlimSpec head: logits = (h W_down^T) W_up^T, W_down [r, d], W_up [V, r]; dense matmuls."""
+    """SlimSpec head: logits = (h W_down^T) W_up^T, W_down [r, d], W_up [V, r]; dense matmuls.
+
+    On CUDA with at most 16 rows and no autograd, the up projection (small r, huge V) runs a
+    Triton kernel (:mod:`flashspec.heads.triton_head`) instead of cuBLAS, whose GEMV has a
+    large fixed cost there. Opt out per head (``head.use_triton = False``) or for the process
+    (``FLASHSPEC_HEAD_TRITON=0``).
+    """
 
     kind = "lowrank"
+    use_triton: bool = HEAD_TRITON
 
     def __init__(self, w_down: torch.Tensor, w_up: torch.Tensor, layout: str = "out_in") -> None:
         super().__init__()
@@ -127,7 +137,12 @@ class LowRankHead(nn.Module):
         return self.w_down.shape[1]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(linear(h, self.w_down), self.w_up)
+        u = linear(h, self.w_down)
+        if self.use_triton and u.is_cuda:
+            from flashspec.heads import triton_head  # lazy: triton only where CUDA runs it
+            if triton_head.supports(u, self.w_up):
+                return triton_head.skinny_matmul(u, self.w_up)
+        return linear(u, self.w_up)
 
     def weight_bytes(self) -> int:
         return _bytes(self.w_down, self.w_up)

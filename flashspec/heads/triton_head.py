@@ -1,0 +1,107 @@
+"""Triton skinny matmul for the low-rank head's up projection at small batch on CUDA.
+
+``y = x w^T`` for x [M, K] with few rows (M <= 16) and w [N, K] with any strides (both
+``out_in`` and ``in_out`` storage). Made for ``logits = u W_up^T`` with u = W_down h [M, r],
+W_up [V, r]: a small K (the rank) and a huge N (the vocabulary), where cuBLAS's GEMV pays a
+large fixed cost. Each program owns BLOCK_N vocabulary rows, reads its W tile once for all M
+rows, accumulates in fp32 and writes y in x's dtype. One row: multiply and reduce on CUDA
+cores; 2..16 rows: ``tl.dot`` with the rows padded to 16 (W still read once).
+
+Imported lazily by :class:`flashspec.heads.modules.LowRankHead` (CUDA only); on CPU tensors
+the kernel runs under ``TRITON_INTERPRET=1`` (tests).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_ELEMENTS = 1 << 31  # int32 offsets inside the kernel
+# the interpreter's tl.dot mishandles bf16 (numpy has none): it multiplies in fp32 instead
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes and launch parameters of one kernel instance."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(rows: int, k: int) -> Config:
+    """One row: whole rank in one tile (<= 512 wide) and ~16K weights per program, so every
+    program issues all its loads at once; more rows: 64 x 128 tiles for ``tl.dot``."""
+    block_k = max(16, min(triton.next_power_of_2(k), 512 if rows == 1 else 128))
+    if rows == 1:
+        return Config(max(16, min(256, 16384 // block_k)), block_k, 4, 2)
+    return Config(64, block_k, 4, 3)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_matmul(x, weight)`` applies: same dtype and device, 1..16 rows, no
+    autograd (the kernel has no backward), int32-addressable weight."""
+    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.shape[-1] == 0:
+        return False
+    rows = x.numel() // x.shape[-1]
+    return (x.dtype == weight.dtype and x.dtype in DTYPES and x.device == weight.device
+            and 0 < rows <= MAX_ROWS and weight.numel() < _MAX_ELEMENTS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[n, k] for BLOCK_N columns n and all (<= BLOCK_M) rows m."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_in = offs_m < M
+    n_in = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_in = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * swn + offs_k[None, :] * swk,
+                    mask=n_in[:, None] & k_in[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk,
+                    mask=m_in[:, None] & k_in[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        elif UPCAST:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn,
+             acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+
+
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None
+                  ) -> torch.Tensor:
+    """``F.linear(x, weight)`` for x [..., K] with 1..16 rows and weight [N, K]; fp32
+    accumulation, output in x's dtype. Raises ValueError where :func:`supports` is False."""
+    if not supports(x, weight):
+        raise ValueError(f"skinny_matmul: unsupported x {tuple(x.shape)} {x.dtype} {x.device}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype} {weight.device}")
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    cfg = config or default_config(rows, k)
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block_m = 1 if rows == 1 else 16
+    if block_m > 1 and min(cfg.block_n, cfg.block_k) < 16:
+        raise ValueError(f"tl.dot tiles need block_n, block_k >= 16; got {cfg}")
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
+    _skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x2, weight, y, rows, n, k, *x2.stride(), *weight.stride(), *y.stride(),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
+        UPCAST=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.reshape(*x.shape[:-1], n)
