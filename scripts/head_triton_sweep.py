@@ -1,5 +1,6 @@
-"""CUDA: time the low-rank head's up projection y = u W_up^T, cuBLAS (F.linear) vs Triton tile
-configs, at the shapes that matter (Llama-3.1-8B r = d/8 and d/32, SmolLM2 r = d/8).
+"""CUDA: time the low-rank head's up projection y = u W_up^T [N = V, K = r], cuBLAS (F.linear)
+vs Triton tile configs, at the shapes that matter (Llama-3.1-8B r = d/8 and d/32, SmolLM2
+r = d/8), after the down projection h W_down^T [N = r, K = d] (cuBLAS vs the default tile).
 
 Each timing replays a CUDA graph of calls that rotate through enough W_up copies to exceed
 2x the L2 cache (cold weights, no launch gaps), median of several replays. Writes one JSON
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashspec.heads import triton_head as th  # noqa: E402
 
 CASES = ((128256, 512, 1), (128256, 128, 1), (128256, 512, 16), (49152, 72, 1), (128256, 512, 4))
+# the down projection h W_down^T (N = r, K = d): what cuBLAS costs there (Triton: default only)
+DOWN_CASES = ((512, 4096, 1), (128, 4096, 1), (72, 576, 1))
 
 
 def configs(rows: int, k: int) -> list[th.Config]:
@@ -67,21 +70,22 @@ def time_us(fn: Callable[[int], torch.Tensor], n_copies: int, reps: int = 15) ->
     return statistics.median(samples)
 
 
-def run_case(n: int, k: int, rows: int, deadline: float, out) -> None:
-    """Time cuBLAS and every Triton config for one (V, r, rows); write and print records."""
+def run_case(n: int, k: int, rows: int, deadline: float, out, grid: bool = True) -> None:
+    """Time cuBLAS and the Triton configs (``grid``: all, else the default) for one
+    (N, K, rows); write and print records."""
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20))
     g = torch.Generator("cuda").manual_seed(0)
     w0 = torch.randn(n, k, generator=g, device="cuda").bfloat16()
     copies = [w0] + [w0.clone() for _ in range(math.ceil(2 * l2 / (w0.numel() * 2)) - 1)]
     u = torch.randn(rows, k, generator=g, device="cuda").bfloat16()
     ref = F.linear(u.float(), w0.float())
-    base = {"vocab_size": n, "rank": k, "batch": rows, "dtype": "bfloat16", "copies": len(copies),
+    base = {"n": n, "k": k, "batch": rows, "dtype": "bfloat16", "copies": len(copies),
             "weight_mb": w0.numel() * 2 / 1e6, "gpu": torch.cuda.get_device_name(0)}
     with torch.inference_mode():
         rec = {**base, "impl": "cublas", "latency_us": time_us(lambda i: F.linear(u, copies[i]),
                                                              len(copies))}
         _emit(rec, out)
-        for cfg in configs(rows, k):
+        for cfg in configs(rows, k) if grid else [th.default_config(rows, k)]:
             if time.perf_counter() > deadline:
                 print("sweep budget spent", file=sys.stderr)
                 return
@@ -99,7 +103,7 @@ def _emit(rec: dict, out) -> None:
     out.write(json.dumps(rec) + "\n")
     out.flush()
     gbs = rec["weight_mb"] * 1e-3 / (rec["latency_us"] * 1e-6) if "latency_us" in rec else 0
-    print(f"V={rec['vocab_size']} r={rec['rank']} B={rec['batch']} {rec['impl']:7s} "
+    print(f"N={rec['n']} K={rec['k']} B={rec['batch']} {rec['impl']:7s} "
           f"{rec.get('config', '')} {rec.get('latency_us', float('nan')):8.2f} us "
           f"{gbs:7.0f} GB/s {rec.get('error', '')}", flush=True)
 
@@ -112,6 +116,8 @@ def main() -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + a.budget_s
     with open(Path(a.out) / "sweep.jsonl", "a") as out:
+        for n, k, rows in DOWN_CASES:
+            run_case(n, k, rows, deadline, out, grid=False)
         for n, k, rows in CASES:
             if time.perf_counter() > deadline:
                 break
