@@ -7,6 +7,7 @@ Prints and logs a summary table (α, τ, TPS, speedup per dataset and method).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,9 @@ from flashspec.records import RecordWriter, WandbLogger, provenance
 from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_prompt_lookup")
+METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_compiled", "hf_prompt_lookup")
+HF_METHODS = {"hf_generate": {}, "hf_compiled": {"cache_implementation": "static"},
+              "hf_prompt_lookup": {}}
 
 
 @dataclass
@@ -41,13 +44,19 @@ def engine_method(name: str, engine: SpecEngine) -> Method:
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
-                 "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99)}
+                 "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99),
+                 "capture_s": res.capture_s}
                 for r in res.rows]
     return Method(name, run)
 
 
-def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], lookup: int | None) -> Method:
-    """HF transformers' own generate (greedy or sampled), optionally with prompt lookup."""
+def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], lookup: int | None,
+              extra: dict[str, Any] | None = None) -> Method:
+    """HF transformers' own generate (greedy or sampled), optionally with prompt lookup.
+
+    ``extra`` goes to ``generate``: ``cache_implementation="static"`` makes transformers compile
+    the decoding step (torch.compile, CUDA graphs) on a GPU: the ``hf_compiled`` baseline.
+    """
     import time
 
     def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
@@ -55,7 +64,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
         for p in prompts:
             ids = torch.tensor([p], device=hf_model.device)
             kwargs = dict(max_new_tokens=max_new, do_sample=not params.greedy, eos_token_id=eos,
-                          pad_token_id=eos[0] if eos else None)
+                          pad_token_id=eos[0] if eos else None, **(extra or {}))
             if not params.greedy:
                 kwargs.update(temperature=params.temperature, top_k=params.top_k or None,
                               top_p=params.top_p)
@@ -104,7 +113,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
     if unknown:
         raise FlashSpecError(f"unknown decode method(s) {unknown}; choose from {list(METHODS)}")
     backend = cfg.hardware.verify_backend
-    kw = dict(params=params, backend=backend, seed=int(cfg.seed), eos_ids=eos)
+    kw = dict(params=params, backend=backend, seed=int(cfg.seed), eos_ids=eos,
+              graphs=bool(cfg.hardware.get("cuda_graphs", False)))
     methods: list[Method] = []
     arms: list[Arm] = []
     if {"spec", "each_arm"} & set(exp.methods):
@@ -124,8 +134,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         elif m == "each_arm":
             methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
         else:
-            methods.append(hf_method(m, _hf_model(cfg), params, eos,
-                                     int(exp.hf_prompt_lookup_tokens) if m == "hf_prompt_lookup" else None))
+            lookup = int(exp.hf_prompt_lookup_tokens) if m == "hf_prompt_lookup" else None
+            methods.append(hf_method(m, _hf_model(cfg, target), params, eos, lookup, HF_METHODS[m]))
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise FlashSpecError(f"two methods share a name: {names}")
@@ -135,17 +145,27 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
 _HF_CACHE: dict = {}
 
 
-def _hf_model(cfg: DictConfig):
-    """The same target weights as an HF transformers model (for HF's own generate)."""
+def _hf_model(cfg: DictConfig, target):
+    """The same target weights as an HF transformers model (for HF's own generate).
+
+    A model directory (or a GGUF, through its converted directory) loads as usual; a dummy
+    target gets an HF model of its config holding the native model's (random) weights.
+    """
     from transformers import AutoModelForCausalLM
-    from flashspec.models.loading import hf_dir, resolve_dtype, smollm2_dir
-    src = cfg.target.source
-    if src.startswith("dummy:") or src.endswith(".gguf"):
-        raise FlashSpecError(f"HF baselines need an HF model directory; target.source={src!r}")
+    from flashspec.models.loading import cache_root, hf_dir, resolve_dtype, smollm2_dir, source_config
+    src, dtype = cfg.target.source, resolve_dtype(cfg.target.dtype)
     key = (src, cfg.hardware.device)
     if key not in _HF_CACHE:
-        directory = smollm2_dir() if src == "smollm2" else hf_dir(src)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(cfg.target.dtype))
+        if src.startswith("dummy:"):
+            model = AutoModelForCausalLM.from_config(source_config(src), dtype=dtype)
+            state = {k if k.startswith("lm_head.") else "model." + k: v
+                     for k, v in target.state_dict().items() if "inv_freq" not in k}
+            model.load_state_dict(state, strict=False)
+        else:
+            directory = (smollm2_dir() if src == "smollm2" else
+                         cache_root() / Path(src).stem if src.endswith(".gguf") else hf_dir(src))
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        model.generation_config.max_cache_len = 4096  # one static cache size: no recompiles
         _HF_CACHE[key] = model.to(cfg.hardware.device).eval()
     return _HF_CACHE[key]
 
@@ -175,10 +195,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
                          group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
                          name=_run_name(), dir=out_dir)
-    if exp.warmup:
+    cold: dict[str, float] = {}
+    if exp.warmup:  # untimed in the results; its wall time is the method's cold start
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
         for m in methods:
-            m.run([warm], 4, None)
+            t0 = time.perf_counter()
+            m.run([warm] * int(exp.batch_size), 4, None)
+            cold[m.name] = time.perf_counter() - t0
+        prov = {**prov, "cold_start_s": cold}
     batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
     with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
         for bi, batch in enumerate(batches):
@@ -245,6 +269,7 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             "tau": (st["n_accepted"] + steps) / steps if steps else None,
             "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
             "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
+            "capture_s": st.get("capture_s", 0.0),
             "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
             "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
             "tokens": st["tokens"], "text": text, "provenance": prov}

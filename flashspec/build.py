@@ -91,9 +91,14 @@ def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int]]:
 
 
 def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
-    """Arms (drafter, γ): the explicit ``arms`` list, or every drafter × every γ in ``gammas``."""
+    """Arms (drafter, γ): the explicit ``arms`` list, or every drafter × every γ in ``gammas``.
+
+    The name ``ar`` (any γ) is the arm without speculation (target-only step)."""
     arms = []
     for name, gamma in arm_pairs(cfg_drafters):
+        if name == "ar":  # no speculation: the policy may fall back to target-only steps
+            arms.append(Arm(None, 0))
+            continue
         if name not in drafters:
             raise FlashSpecError(f"arm names drafter {name!r}, not in the drafter set {list(drafters)}")
         if int(gamma) <= 0:

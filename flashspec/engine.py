@@ -100,6 +100,11 @@ class SpecEngine:
         self.target, self.arms, self.params = target, list(arms), params
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedPolicy(0)
+        self.reward_kind = getattr(self.policy, "reward_kind", "alpha")
+        adaptive = len(self.arms) > 1 and not isinstance(self.policy, FixedPolicy)
+        if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
+            raise FlashSpecError("an 'ar' arm (no speculation) proposes nothing, so only a policy "
+                                 "rewarded by tokens per second (reward: tps) can score it")
         self.verify = get_backend(backend)
         self.seed, self.calls = seed, 0
         self.eos_ids = set(eos_ids)
@@ -228,8 +233,8 @@ class SpecEngine:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
-            if proposed:
-                r = reward(getattr(self.policy, "reward_kind", "alpha"), proposed, accepted,
+            if proposed or self.reward_kind == "tps":
+                r = reward(self.reward_kind, proposed, accepted,
                            step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
                 for row, live in zip(rows, active):
                     if live:

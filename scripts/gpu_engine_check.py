@@ -4,7 +4,8 @@
 A SmolLM2-shaped model with random weights (fp32, CUDA): greedy speculative decoding with
 n-gram and layer-skip drafters must equal target-only greedy decoding token for token at B=1
 and B=4, and T=1 sampling must give identical tokens with the torch and triton backends for the
-same seed (same counter-based random numbers). Prints one JSON line per check.
+same seed (same counter-based random numbers), with and without the CUDA-graph verify step.
+Prints one JSON line per check.
 
     python scripts/gpu_engine_check.py [--device cuda] [--new 48]
 """
@@ -54,26 +55,38 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--quick", action="store_true", help="greedy checks with the n-gram drafter only")
     a = ap.parse_args()
     model = dummy_model(a.device)
     ok = True
     arms = {"ngram": Arm(NgramDrafter(), 4), "skip10": Arm(ModelDrafter(model, list(range(10)), name="skip10"), 3)}
-    for backend in ("torch", "triton"):
+    ref = {b: run(SpecEngine(model, [Arm(None, 0)]), b, a.new)[0] for b in (1, 4)}
+    for backend, graphs in (("torch", False), ("triton", False), ("torch", True), ("triton", True)):
         for batch in (1, 4):
-            ref, t_ar, _ = run(SpecEngine(model, [Arm(None, 0)], backend=backend), batch, a.new)
+            kw = dict(backend=backend, graphs=graphs)
+            run(SpecEngine(model, [Arm(None, 0)], **kw), batch, a.new)   # warm-up / capture
+            got_ar, t_ar, _ = run(SpecEngine(model, [Arm(None, 0)], **kw), batch, a.new)
+            ok &= got_ar == ref[batch]
             for name, arm in arms.items():
-                got, t_sp, tau = run(SpecEngine(model, [arm], backend=backend), batch, a.new)
-                same = got == ref
+                if name != "ngram" and a.quick:
+                    continue
+                engine = SpecEngine(model, [arm], **kw)
+                run(engine, batch, 8)
+                got, t_sp, tau = run(engine, batch, a.new)
+                same = got == ref[batch]
                 ok &= same
-                print(json.dumps({"check": "greedy_equal", "backend": backend, "batch": batch,
-                                  "drafter": name, "equal": same, "tau": round(tau, 3),
+                print(json.dumps({"check": "greedy_equal", "backend": backend, "graphs": graphs,
+                                  "batch": batch, "drafter": name, "equal": same,
+                                  "ar_equal": got_ar == ref[batch], "tau": round(tau, 3),
                                   "ar_s": round(t_ar, 3), "spec_s": round(t_sp, 3)}), flush=True)
-    params = SamplingParams(temperature=1.0, top_k=50)
-    outs = {b: run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7), 4, a.new)[0]
-            for b in ("torch", "triton")}
-    same = outs["torch"] == outs["triton"]
-    ok &= same
-    print(json.dumps({"check": "sampled_backends_identical", "equal": same}), flush=True)
+    for params in (SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0)):
+        outs = {(b, g): run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7,
+                                       graphs=g), 4, a.new)[0]
+                for b in ("torch", "triton") for g in (False, True)}
+        same = len({str(v) for v in outs.values()}) == 1
+        ok &= same
+        print(json.dumps({"check": "sampled_backends_identical", "top_k": params.top_k,
+                          "equal": same, "variants": [f"{b}/graphs={g}" for b, g in outs]}), flush=True)
     return 0 if ok else 1
 
 
