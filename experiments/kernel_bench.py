@@ -77,9 +77,10 @@ def time_calls(fn: Callable, buffers: list, iters: int, warmup: int, cuda: bool)
 def graph_time(verify: Callable, buffers: list, params: SamplingParams, replays: int
                ) -> tuple[float, list[dict]]:
     """µs per call from replays of one CUDA graph holding one call per buffer, and the rows
-    where the captured calls, replayed with a new device seed, differ from the reference."""
+    where the captured calls, replayed with a new device seed, differ from the reference
+    (each with the same call made eagerly with that seed, and the reference's margins)."""
     seed = torch.zeros((), dtype=torch.int64, device="cuda")
-    verify(*buffers[0], params, seed)                       # warm (compile, counters)
+    verify(*buffers[0], params, seed)                       # warm (compile, workspaces)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -94,9 +95,42 @@ def graph_time(verify: Callable, buffers: list, params: SamplingParams, replays:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(buffers))
         for i in (0, len(buffers) - 1):
-            bad += mismatches(reference.verify(*buffers[i], params, 1000 + r), outs[i],
-                              f"graph replay {r} buffer {i}")
+            ref = reference.verify(*buffers[i], params, 1000 + r)
+            rows = mismatches(ref, outs[i], f"graph replay {r} buffer {i}")
+            if rows:
+                eager = verify(*buffers[i], params, 1000 + r)
+                for row in rows:
+                    b_ = row["row"]
+                    row["eager_same_seed"] = eager[0][b_].tolist()
+                    row["eager_matches_ref"] = bool(torch.equal(eager[0][b_], ref[0][b_])
+                                                    and eager[1][b_] == ref[1][b_])
+                    row["margins"] = margins(buffers[i], params, 1000 + r, b_)
+            bad += rows
+    del graph
     return statistics.median(times), bad
+
+
+def margins(args: tuple, params: SamplingParams, seed: int, row: int) -> dict:
+    """How close the reference's decisions of one row are to a tie: per draft, log u minus
+    (log p - log q) of the accept test; at j* the gap between the two best race keys."""
+    from flashspec.verify import rng
+    x, tokens, q = (a[row:row + 1] if a is not None else None for a in args)
+    batch, gamma = args[1].shape
+    temps = reference.row_temperatures(params, None, 1, x.device)
+    logp = reference.warp_rows(x, params, temps)[0]
+    logq = reference.draft_logprobs(tokens, q, params, temps, x.shape[-1])[0]
+    t = tokens[0].long()
+    streams = row * (gamma + 1) + torch.arange(gamma + 1, device=x.device)
+    u = rng.uniform(seed, streams[:gamma], torch.tensor(x.shape[-1], device=x.device))
+    acc = (torch.log(u) - (logp[:gamma].gather(-1, t[:, None])[:, 0]
+                           - logq.gather(-1, t[:, None])[:, 0]))
+    n = int(((acc < 0).int().cumprod(0)).sum())
+    logw = logp[n] if n == gamma else reference.residual_logweights(logp[n], logq[n])
+    vocab = torch.arange(x.shape[-1], device=x.device)
+    keys = logw - torch.log(-torch.log(rng.uniform(seed, streams[n], vocab)))
+    top = keys.topk(2).values
+    return {"accept_margin": [float(v) for v in acc[:n + 1]], "jstar": n,
+            "race_top2_gap": float(top[0] - top[1])}
 
 
 def mismatches(ref: tuple, got: tuple, where: str, limit: int = 4) -> list[dict]:
@@ -148,22 +182,35 @@ def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
     buffers = [make_inputs(batch, gamma, vocab, dtype, draft, params.temperature, device, gen)
                for _ in range(n_buf)]
     run = lambda *b: tb.verify(*b, params, 3)                       # noqa: E731
-    run_sep = lambda *b: tb.launch(*b, params, 3, fused=False)      # noqa: E731
+    variants = {"fused": lambda *a: tb.launch(*a, fused=True),
+                "unfused": lambda *a: tb.launch(*a, fused=False)}
     ref = lambda *b: reference.verify(*b, params, 3)                # noqa: E731
     it, rit, wu = int(knobs["iters"]), int(knobs["ref_iters"]), int(knobs["warmup"])
+    plan = tb.plan(batch, gamma, vocab)
     rec: dict[str, Any] = {"B": batch, "gamma": gamma, "V": vocab, "dtype": knobs["dtype"],
                            "draft": draft, "temperature": params.temperature, "n_buffers": n_buf,
-                           "bytes_min": need, "device": str(device), "fused": tb.FUSED,
-                           "interpreted": tb.INTERPRET}
+                           "bytes_min": need, "device": str(device),
+                           "fused": plan.fused if plan.fused is not None else tb.FUSED,
+                           "direct_launch": tb.DIRECT_LAUNCH, "interpreted": tb.INTERPRET}
     seeds = list(knobs["check_seeds"])
-    bad = (compare(tb.verify, buffers[0], params, seeds, "fused")
-           + compare(lambda *a: tb.launch(*a, fused=False), buffers[0], params, seeds, "unfused"))
+    bad = compare(tb.verify, buffers[0], params, seeds, "default")
+    for name, fn in variants.items():
+        bad += compare(fn, buffers[0], params, seeds, name)
     rec["identical"], rec["mismatches"] = not bad, bad
     rec["tau"] = float(tb.verify(*buffers[0], params, 3)[1].float().mean()) + 1.0
     kernel = time_calls(run, buffers, it, wu, cuda)
     rec["kernel_us"] = statistics.median(kernel)
     rec["kernel_p90_us"] = sorted(kernel)[int(0.9 * (len(kernel) - 1))]
-    rec["kernel_unfused_us"] = statistics.median(time_calls(run_sep, buffers, it, wu, cuda))
+    for name, fn in variants.items():
+        timed = lambda *b, fn=fn: fn(*b, params, 3)                 # noqa: E731
+        rec[f"kernel_{name}_us"] = statistics.median(time_calls(timed, buffers, it, wu, cuda))
+    if tb.DIRECT_LAUNCH:                     # the same call through Triton's own launcher
+        tb.DIRECT_LAUNCH = False
+        try:
+            rec["kernel_triton_launch_us"] = statistics.median(
+                time_calls(run, buffers, it, wu, cuda))
+        finally:
+            tb.DIRECT_LAUNCH = True
     rec["ref_eager_us"] = statistics.median(time_calls(ref, buffers, rit, min(wu, 3), cuda))
     rec["ref_compiled_us"] = None
     if compiled is not None:
@@ -181,12 +228,20 @@ def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
     rec["no_host_sync"] = no_host_sync(tb.verify, buffers[0], params) if cuda else None
     rec["kernel_graph_us"], rec["graph_identical"] = None, None
     if cuda and int(knobs["graph_replays"]) > 0:
-        rec["kernel_graph_us"], gbad = graph_time(tb.verify, buffers, params,
-                                                  int(knobs["graph_replays"]))
+        gbad = []
+        for name, fn in variants.items():
+            us, vbad = graph_time(fn, buffers, params, int(knobs["graph_replays"]))
+            rec[f"kernel_graph_{name}_us"] = us
+            rec[f"graph_identical_{name}"] = not vbad
+            gbad += [dict(r, variant=name) for r in vbad]
+        rec["kernel_graph_us"] = rec["kernel_graph_fused_us" if rec["fused"]
+                                     else "kernel_graph_unfused_us"]
         rec["graph_identical"], rec["graph_mismatches"] = not gbad, gbad
     rec["graph_floor_ratio"] = (rec["kernel_graph_us"] / rec["floor_us"]
                                 if rec["kernel_graph_us"] else None)
-    rec["plan"] = tb.plan(batch, gamma, vocab).__dict__
+    rec["graph_speedup_eager"] = (rec["ref_eager_us"] / rec["kernel_graph_us"]
+                                  if rec["kernel_graph_us"] else None)
+    rec["plan"] = plan.__dict__
     return rec
 
 
@@ -205,6 +260,9 @@ def compile_reference() -> Callable:
 
 
 def shapes_of(knobs: dict) -> list[tuple[int, int, int]]:
+    """The explicit ``shapes`` list [[B, γ, V], ...] if given, else batches × gammas × vocabs."""
+    if knobs.get("shapes"):
+        return [tuple(int(x) for x in s) for s in knobs["shapes"]]
     return [(b, g, v) for v in knobs["vocabs"] for g in knobs["gammas"] for b in knobs["batches"]]
 
 
@@ -248,13 +306,18 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _row(r: dict) -> str:
-    comp = f"{r['ref_compiled_us']:9.1f}" if r["ref_compiled_us"] else "        -"
-    graph = f"{r['kernel_graph_us']:8.1f}" if r["kernel_graph_us"] else "       -"
-    return (f"B={r['B']:3d} γ={r['gamma']} V={r['V']:6d} | eager {r['ref_eager_us']:9.1f} "
-            f"compiled {comp} kernel {r['kernel_us']:8.1f} (unfused {r['kernel_unfused_us']:8.1f},"
-            f" graph {graph}) µs | x{r['speedup_eager']:6.1f} | floor {r['floor_us']:7.1f} µs "
-            f"ratio {r['floor_ratio']:5.2f} | same={r['identical']} graph_same={r['graph_identical']} "
-            f"nosync={r['no_host_sync']}")
+    """One line per shape: times (µs), speedups vs the eager reference, floor ratios, checks."""
+    def f(key: str, width: int = 7, prec: int = 1) -> str:
+        v = r.get(key)
+        return f"{v:{width}.{prec}f}" if isinstance(v, (int, float)) else "-".rjust(width)
+    return (f"B={r['B']:3d} γ={r['gamma']} V={r['V']:6d} | ref {f('ref_eager_us', 8)} | kernel "
+            f"{f('kernel_us')} (fused {f('kernel_fused_us')} unfused {f('kernel_unfused_us')} "
+            f"triton-launch {f('kernel_triton_launch_us')}) graph {f('kernel_graph_us')} "
+            f"(fused {f('kernel_graph_fused_us')} unfused {f('kernel_graph_unfused_us')}) µs | "
+            f"x{f('speedup_eager', 6)} graph x{f('graph_speedup_eager', 6)} | floor "
+            f"{f('floor_us', 6)} µs ratio {f('floor_ratio', 5, 2)} graph "
+            f"{f('graph_floor_ratio', 5, 2)} | same={r['identical']} graph_same={r['graph_identical']} "
+            f"nosync={r['no_host_sync']} fused={r['fused']} direct={r.get('direct_launch')}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -282,12 +345,59 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _warm_shape(job: tuple) -> str:
+    """Compile every kernel variant one shape uses (fills Triton's on-disk cache)."""
+    knobs, shape, seed = job
+    from flashspec.verify import triton_backend as tb
+    batch, gamma, vocab = shape
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = SamplingParams(temperature=float(knobs["temperature"]))
+    args = make_inputs(batch, gamma, vocab, getattr(torch, knobs["dtype"]), knobs["draft"],
+                       params.temperature, device, gen)
+    for fused in (True, False):
+        tb.launch(*args, params, 3, fused=fused)
+    torch.cuda.synchronize()
+    return f"{shape} compiled"
+
+
+def precompile(knobs: dict, shapes: list[tuple[int, int, int]], workers: int, seed: int) -> None:
+    """Compile the kernels of all shapes in ``workers`` processes before timing anything."""
+    import multiprocessing as mp
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for msg in pool.imap_unordered(_warm_shape, [(knobs, s, seed) for s in shapes]):
+            print(f"precompile: {msg} at {time.time() - t0:.0f} s", flush=True)
+
+
+def probe_direct() -> bool:
+    """Direct launch (cached compiled kernels) gives the reference's answers: a few shapes,
+    int and device seeds, every call after the first going through the cached handles."""
+    from flashspec.verify import triton_backend as tb
+    assert tb.DIRECT_LAUNCH, "set FLASHSPEC_DIRECT_LAUNCH=1"
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    ok = True
+    for shape in ((1, 4, 32000), (8, 4, 49152)):
+        args = make_inputs(*shape, torch.bfloat16, "full", 1.0, device, gen)
+        for fused in (True, False):
+            for s in (0, 1, torch.tensor(5, device=device), 7):
+                got = tb.launch(*args, params, s, fused=fused)
+                want = reference.verify(*args, params, s)
+                same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                ok &= same
+                print(f"probe {shape} fused={fused} seed={s}: same={same}", flush=True)
+    print("DIRECT_OK" if ok else "DIRECT_FAILED", flush=True)
+    return ok
+
+
 def knobs_of(exp: dict, smoke: bool, device: torch.device) -> dict:
     """Experiment knobs; the smoke shape set when smoke=true or there is no GPU."""
     knobs = dict(exp)
     if smoke or device.type != "cuda":
         knobs.update(knobs.pop("smoke_shapes"))
-        knobs.update(compile_ref=False, graph_replays=0)
+        knobs.update(compile_ref=False, graph_replays=0, shapes=None)
     return knobs
 
 
@@ -336,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None, help="source commit, where the box has no git")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="compile every shape's kernels in N processes first (GPU)")
+    ap.add_argument("--probe-direct", action="store_true",
+                    help="only check FLASHSPEC_DIRECT_LAUNCH=1 against the reference (GPU)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
     args = ap.parse_args(argv)
@@ -345,11 +459,16 @@ def main(argv: list[str] | None = None) -> int:
         key, _, val = kv.partition("=")
         exp[key] = yaml.safe_load(val)
     device = pick_device(hw["device"])
+    if args.probe_direct:
+        return 0 if probe_direct() else 1
     conf = {"experiment": exp, "hardware": hw, "seed": args.seed, "smoke": args.smoke,
             "output_dir": str(args.out), "entry": "python -m experiments.kernel_bench",
             "source_commit": args.commit}
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = bench(knobs_of(exp, args.smoke, device), device, float(hw["mem_bandwidth_gbs"]),
+    knobs = knobs_of(exp, args.smoke, device)
+    if args.precompile > 0 and device.type == "cuda":
+        precompile(knobs, shapes_of(knobs), args.precompile, args.seed)
+    summary = bench(knobs, device, float(hw["mem_bandwidth_gbs"]),
                     args.out, conf, args.seed)
     print(summary)
     _gate(summary)

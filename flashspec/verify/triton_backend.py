@@ -12,15 +12,22 @@ it reads the counts anyway. On CPU tensors (TRITON_INTERPRET=1) poisoned rows ra
 FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
-top-p < 1, top-k > 256, top-k on CUDA (see FUSE_TOPK_ON_CUDA), dtypes other than bf16/fp16/fp32, V >= 2^24, CPU tensors without
-TRITON_INTERPRET=1. Concurrent calls on different CUDA streams of one device are not
-supported (the fused path keeps one set of per-row-group counters per device).
+top-p < 1, top-k > 256, top-k on CUDA (see FUSE_TOPK_ON_CUDA), dtypes other than
+bf16/fp16/fp32, V >= 2^24, CPU tensors without TRITON_INTERPRET=1.
+
+Host cost per call is kept small: the plan, workspace and merge counters are cached per shape
+(one output allocation per call), kernels take few arguments (unit inner strides; chunk counts
+derived in the kernels; int and device seeds share one compiled variant), and with
+FLASHSPEC_DIRECT_LAUNCH=1 the cached compiled kernels are launched without Triton's binder.
+Concurrent calls of one shape on different CUDA streams are not supported (they would share
+the cached workspace and counters).
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,9 +44,13 @@ MAX_TOPK = 256
 FUSE_TOPK_ON_CUDA = False
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOGGED: set[str] = set()
-_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
 INTERPRET = type(K.stats_kernel).__name__ == "InterpretedFunction"
 FUSED = True            # last-program-per-row-group merge (atomic counters) vs separate kernels
+FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
+# Launch the cached compiled kernels directly (CompiledKernel[grid](...)), skipping Triton's
+# argument binder on every call after the first of a shape. Opt-in: it relies on Triton's
+# launcher convention (all parameters, constexprs included, in signature order).
+DIRECT_LAUNCH = os.environ.get("FLASHSPEC_DIRECT_LAUNCH", "0") == "1" and not INTERPRET
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,31 @@ class Plan:
 
     rows: int           # batch rows per program (1 on the GPU)
     chunk: int          # vocabulary elements per pass-1 program
-    block: int          # tile inside a chunk
+    block: int          # tile inside a chunk (lanes keep running stats over the tiles)
     rchunk: int         # vocabulary elements per pass-2 program
     rblock: int
     warps: int
     rwarps: int
+    fused: bool | None = None   # None: the module default FUSED
+
+
+@dataclass
+class _Slot:
+    """Per-shape state reused across calls: geometry, workspace, counters, the launches
+    (kernel, grid, constexprs, warps) and, with DIRECT_LAUNCH, their compiled kernels."""
+
+    plan: Plan
+    fused: bool
+    nc: int
+    ncr: int
+    ws: torch.Tensor
+    cnt: torch.Tensor
+    launches: list = field(default_factory=list)
+    compiled: dict = field(default_factory=dict)
+
+
+_SLOTS: dict[tuple, _Slot] = {}
+_DUMMY_SEED: dict[torch.device, torch.Tensor] = {}
 
 
 def _next_pow2(n: int) -> int:
@@ -66,15 +97,17 @@ def _bucket(n: int) -> int:
 
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
-    """Chunking: on the GPU enough programs to fill it at B=1; in the interpreter few, big ones."""
+    """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM (each program
+    streams its p and q tiles with one 16-byte load per lane per tile), fused merges only at
+    small batch. Interpreter: few, big programs."""
     if interpret:
         block = min(_next_pow2(vocab), 32768)
         rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
         return Plan(rows, block, block, block, block, 4, 4)
     positions = batch * (gamma + 1)
     chunk = 1024
-    for c in (4096, 2048):
-        if positions * math.ceil(vocab / c) >= 4 * n_sm:
+    for c in (8192, 4096, 2048):
+        if positions * math.ceil(vocab / c) >= 8 * n_sm:
             chunk = c
             break
     rchunk = 512
@@ -82,8 +115,8 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
         if batch * math.ceil(vocab / c) >= 2 * n_sm:
             rchunk = c
             break
-    return Plan(1, chunk, min(chunk, 4096), rchunk, min(rchunk, 1024),
-                8 if chunk >= 4096 else 4, 4)
+    return Plan(1, chunk, 1024, rchunk, min(rchunk, 1024), 4, 4,
+                fused=batch <= FUSE_MAX_BATCH)
 
 
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
@@ -111,16 +144,6 @@ def _log_once(reason: str) -> None:
         log.warning("triton verify falls back to the torch reference: %s", reason)
 
 
-def _counters(device: torch.device, kind: str, n: int) -> torch.Tensor:
-    """Zeroed int32 counters per row group, kept per device; the kernels leave them at 0."""
-    key = (str(device), kind)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None) -> None:
     if target_logits.dim() != 3 or draft_tokens.dim() != 2:
@@ -133,16 +156,20 @@ def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be [B, γ, V]")
 
 
-def _seed_args(seed: int | torch.Tensor, device: torch.device, dummy: torch.Tensor):
-    """(seed_ptr tensor, int32 seed, from_ptr) without reading a device tensor on the host."""
+def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """(int64 seed tensor, int32 seed, seed_mode) without reading a device tensor on the host;
+    seed_mode 1 reads the tensor, 0 the int (the tensor is then a cached dummy)."""
     if isinstance(seed, torch.Tensor):
         if seed.numel() != 1:
             raise ValueError("seed tensor must hold one element")
         if seed.device != device:
             seed = seed.to(device)
-        return seed.to(torch.int64), 0, True
+        return seed.to(torch.int64), 0, 1
     s = int(seed) & 0xFFFFFFFF
-    return dummy, s - (1 << 32) if s >= 1 << 31 else s, False
+    dummy = _DUMMY_SEED.get(device)
+    if dummy is None:
+        dummy = _DUMMY_SEED[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return dummy, s - (1 << 32) if s >= 1 << 31 else s, 0
 
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -163,6 +190,78 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     return out, nacc
 
 
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, L, V] with unit inner strides (batch stride free); copies only when needed."""
+    if x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1):
+        return x
+    return x.contiguous()
+
+
+def _workspace_size(batch: int, gamma: int, nc: int, ncr: int, nct: int, kp2: int) -> int:
+    """Float32 elements of the workspace (see triton_kernels._layout)."""
+    rows_pq = batch * (gamma + 1) + batch * gamma
+    return rows_pq * (3 * nc + 1) + batch * (int(K.N_ROWSTAT.value) + 4 * ncr) + rows_pq * nct * kp2
+
+
+def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, top_k: int,
+          flags: dict, device: torch.device) -> _Slot:
+    """Build the per-shape state. Workspaces are never evicted: a captured CUDA graph keeps
+    pointing at them. A shape first seen during graph capture gets uncached buffers (zeroed
+    inside the graph), since eager calls could not rely on counters that were never zeroed."""
+    nc, ncr = -(-vocab // p.chunk), -(-vocab // p.rchunk)
+    kp2 = _next_pow2(top_k) if top_k else 1
+    nct = -(-vocab // max(p.block, kp2)) if top_k else 0
+    n_groups = -(-batch // p.rows)
+    ws = torch.empty(_workspace_size(batch, gamma, nc, ncr, nct, kp2), dtype=torch.float32,
+                     device=device)
+    cnt = torch.zeros(2 * n_groups, dtype=torch.int32, device=device)
+    slot = _Slot(p, fused, nc, ncr, ws, cnt)
+    common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
+    slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
+        common, BLOCK=p.block, RCHUNK=p.rchunk, NC_P2=_bucket(nc), **flags, FUSED=fused,
+        UNROLL=batch <= FUSE_MAX_BATCH, INTERPRET=INTERPRET), p.warps))
+    if not fused:
+        slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
+            common, RCHUNK=p.rchunk, NC_P2=_bucket(nc), **flags, INTERPRET=INTERPRET), 4))
+    slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
+        common, RCHUNK=p.rchunk, RBLOCK=p.rblock, NCR_P2=_bucket(ncr), **flags, FUSED=fused,
+        INTERPRET=INTERPRET), p.rwarps))
+    if not fused:
+        slot.launches.append(("finish", K.finish_kernel, (n_groups, 1, 1), dict(
+            common, RCHUNK=p.rchunk, NCR_P2=_bucket(ncr)), 4))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _SLOTS[key] = slot
+    return slot
+
+
+def _run(fn, slot: _Slot, name: str, grid: tuple[int, int, int], args: tuple, consts: dict,
+         warps: int, stream) -> None:
+    """Launch ``fn``: through the cached compiled kernel when DIRECT_LAUNCH (and it is
+    cached), else through Triton, caching the compiled kernel it returns."""
+    ck = slot.compiled.get(name)
+    if ck is not None:
+        ck[grid](*args, *consts.values(), stream=stream)
+        return
+    ck = fn[grid](*args, **consts, num_warps=warps)
+    if (DIRECT_LAUNCH and stream is not None and hasattr(ck, "function")
+            and list(fn.arg_names) == list(fn.arg_names[:len(args)]) + list(consts)):
+        slot.compiled[name] = ck
+
+
+def _stream(device: torch.device) -> int:
+    """Raw handle of the current CUDA stream (what Triton's launcher takes)."""
+    from triton.runtime import driver
+    return driver.active.get_current_stream(device.index)
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """All data pointers 16-byte aligned (what Triton specialises kernels on)."""
+    acc = 0
+    for t in ts:
+        acc |= t.data_ptr()
+    return acc & 15 == 0
+
+
 def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
@@ -172,63 +271,57 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     batch, gamma = draft_tokens.shape
     vocab = target_logits.shape[-1]
     device = target_logits.device
-    out = torch.empty((batch, gamma + 1), dtype=torch.int64, device=device)
-    nacc = torch.empty((batch,), dtype=torch.int64, device=device)
+    buf = torch.empty(batch * (gamma + 2), dtype=torch.int64, device=device)
+    out, nacc = buf[:batch * (gamma + 1)].view(batch, gamma + 1), buf[batch * (gamma + 1):]
     if batch == 0:
         return out, nacc
-    tgt = target_logits if target_logits.stride(-1) == 1 else target_logits.contiguous()
+    tgt = _unit_rows(target_logits)
     has_q = draft_logits is not None
-    drf = tgt if not has_q else (draft_logits if draft_logits.stride(-1) == 1
-                                 else draft_logits.contiguous())
+    drf = _unit_rows(draft_logits) if has_q else tgt
+    tok = draft_tokens if draft_tokens.is_contiguous() else draft_tokens.contiguous()
     temp_ptr, temp = tgt, float(params.temperature)
     if temperature is not None:
         temp_ptr = temperature.reshape(batch)
         if temp_ptr.device != device:
             temp_ptr = temp_ptr.to(device)
-    seed_ptr, seed_i, seed_from_ptr = _seed_args(seed, device, tgt)
-    topk = 0 < params.top_k < vocab
-    p = geometry or plan(batch, gamma, vocab)
-    fused = FUSED if fused is None else fused
-    n_groups = -(-batch // p.rows)
-    nc = -(-vocab // p.chunk)
-    ncr = -(-vocab // p.rchunk)
-    kp2 = _next_pow2(params.top_k) if topk else 1
-    nct = -(-vocab // max(p.block, kp2)) if topk else 0
-    rows_pq = batch * (gamma + 1) + batch * gamma
-    size = (rows_pq * (3 * nc + 1) + batch * (int(K.N_ROWSTAT.value) + 4 * ncr) + rows_pq * nct * kp2)
-    ws = torch.empty(size, dtype=torch.float32, device=device)
-    cnt = _counters(device, "stats", n_groups) if fused else ws
-    cnt_r = _counters(device, "race", n_groups) if fused else ws
-    common = (tgt, tgt.stride(0), tgt.stride(1), drf, drf.stride(0), drf.stride(1), draft_tokens,
-              draft_tokens.stride(0), draft_tokens.stride(1), temp_ptr, temp, seed_ptr, seed_i)
-    flags = dict(HAS_Q=has_q, TOPK=topk, ROW_TEMP=temperature is not None,
-                 SEED_PTR=seed_from_ptr, INTERPRET=INTERPRET)
-    if topk:
-        _launch_topk(p, tgt, drf, has_q, temp_ptr, temp, ws, batch, gamma, vocab, nc, ncr, nct,
-                     kp2, params.top_k, temperature is not None)
-    K.stats_kernel[(nc, n_groups, gamma + 1)](
-        *common, ws, cnt, out, out.stride(0), nacc, batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-        CHUNK=p.chunk, BLOCK=p.block, NC_P2=_bucket(nc), FUSED=fused, num_warps=p.warps,
-        **flags)
-    if not fused:
-        K.decide_kernel[(n_groups,)](
-            *common, ws, out, out.stride(0), nacc, batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-            NC_P2=_bucket(nc), num_warps=4, **flags)
-    K.race_kernel[(ncr, n_groups)](
-        *common, ws, cnt_r, out, out.stride(0), batch, vocab, nc, ncr, G=gamma, ROWS=p.rows,
-        CHUNK=p.rchunk, BLOCK=p.rblock, NCR_P2=_bucket(ncr), FUSED=fused,
-        num_warps=p.rwarps, **flags)
-    if not fused:
-        K.finish_kernel[(n_groups,)](ws, out, out.stride(0), batch, nc, ncr, G=gamma,
-                                     ROWS=p.rows, NCR_P2=_bucket(ncr), num_warps=4)
+    seed_ptr, seed_i, seed_mode = _seed_args(seed, device)
+    top_k = params.top_k if 0 < params.top_k < vocab else 0
+    direct = DIRECT_LAUNCH and device.type == "cuda" and _aligned(tgt, drf, tok, temp_ptr,
+                                                                  seed_ptr)
+    t_sb, d_sb = tgt.stride(0), drf.stride(0)
+    key = (device, batch, gamma, vocab, tgt.dtype, drf.dtype, t_sb, d_sb, tok.dtype, has_q,
+           top_k, temp_ptr.dtype if temperature is not None else None, fused, FUSED, geometry,
+           direct)
+    slot = _SLOTS.get(key)
+    if slot is None:
+        p = geometry or plan(batch, gamma, vocab)
+        fused = (FUSED if p.fused is None else p.fused) if fused is None else fused
+        flags = dict(HAS_Q=has_q, TOPK=top_k > 0, ROW_TEMP=temperature is not None)
+        slot = _slot(key, p, fused, batch, gamma, vocab, top_k, flags, device)
+    if top_k:
+        _launch_topk(slot.plan, tgt, drf, has_q, temp_ptr, temp, slot.ws, batch, gamma, vocab,
+                     slot.nc, slot.ncr, top_k, temperature is not None)
+    args = (tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed_i, seed_mode, slot.ws)
+    tail = (buf, batch, vocab)
+    stream = _stream(device) if direct else None
+    for name, fn, grid, consts, warps in slot.launches:
+        if name == "finish":
+            full = (slot.ws,) + tail
+        elif name == "decide":
+            full = args + tail
+        else:
+            full = args + (slot.cnt,) + tail
+        _run(fn, slot, name, grid, full, consts, warps, stream)
     return out, nacc
 
 
 def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, temp_ptr, temp,
                  ws: torch.Tensor, batch: int, gamma: int, vocab: int, nc: int, ncr: int,
-                 nct: int, kp2: int, k: int, row_temp: bool) -> None:
+                 k: int, row_temp: bool) -> None:
     """Top-k thresholds (k-th largest of x/T) of every target and draft row-position."""
+    kp2 = _next_pow2(k)
     block = max(p.block, kp2)
+    nct = -(-vocab // block)
     nt_p2 = _next_pow2(nct * kp2)
     rows = p.rows if INTERPRET else 1
     for is_q, src, npos in ((False, tgt, gamma + 1), (True, drf, gamma)):

@@ -2,13 +2,21 @@
 
 Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, position]):
 
-1. ``stats_kernel``: per (row, position, chunk) the running max, the log-sum-exp partial
-   sum (temperature applied, top-k mask applied) and the first argmax. The last program of a
-   row group (atomic counter) or a separate ``decide_kernel`` merges the partials, runs the
-   accept tests in log space and finds the first rejection j* of every row.
+1. ``stats_kernel``: per (row, position, chunk) the max, the log-sum-exp partial sum
+   (temperature applied, top-k mask applied) and the first argmax of p, and the same (no
+   argmax) of q in the same program: the p and q tiles are loaded before any arithmetic, every
+   lane keeps running statistics over the chunk's tiles and the block reduces once at the end.
+   The last program of a row group (atomic counter) or a separate ``decide_kernel`` merges the
+   partials, runs the accept tests in log space (a runtime loop over the drafts) and finds the
+   first rejection j* of every row.
 2. ``race_kernel``: only position j* of each stochastic row is read again; every chunk runs
    its part of the exponential race over the residual max(0, p - q) (or p for the bonus),
    and the last program (or ``finish_kernel``) picks the winner.
+
+Layout contract: target rows [B, G+1, V] and draft rows [B, G, V] have unit strides inside a
+batch row (t_sb, d_sb are the batch strides), tokens are a contiguous [B, G] tensor, and
+``out`` is one int64 buffer holding the tokens [B, G+1] then n_accepted [B]. Chunk counts are
+derived in the kernels (cdiv(V, CHUNK), cdiv(V, RCHUNK)).
 
 Random numbers are ``flashspec.verify.rng.uniform`` ported to uint32 arithmetic. On the GPU
 the transcendental functions of the race are libdevice's (the ones torch's CUDA kernels
@@ -78,6 +86,15 @@ def _load_seed(seed_ptr, seed, SEED_PTR: tl.constexpr):
     return _mix32(s, False)
 
 
+@triton.jit
+def _load_seed_rt(seed_ptr, seed, seed_mode):
+    """_load_seed with a runtime choice (one compiled variant for both seed kinds); seed_ptr
+    always points at a valid int64 (a dummy when seed_mode is 0)."""
+    s = tl.where(seed_mode != 0, tl.load(seed_ptr).to(tl.uint32),
+                 seed.to(tl.uint32, bitcast=True))
+    return _mix32(s, False)
+
+
 # ----------------------------------------------------------------------------- math
 @triton.jit
 def _log(x, INTERPRET: tl.constexpr):
@@ -138,30 +155,70 @@ def _layout(B, G, NC, NCR):
 
 # ----------------------------------------------------------------------------- pass 1
 @triton.jit
-def _chunk_stats(ptrs, rmask, v0, V, scale, c2, thr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr, TOPK: tl.constexpr, WITH_IDX: tl.constexpr):
-    """Max, sum exp((x - max) / T) and first argmax of one chunk (NaN/+inf make s NaN)."""
-    m = tl.full([ROWS], NEG_INF, tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    am = tl.zeros([ROWS], tl.int32)
+def _lane_update(x, offs, m, s, am, c2, WITH_IDX: tl.constexpr):
+    """Per-lane online max / sum of exp((x - max) / T) / first argmax: one exp2 per element.
+
+    Exactly one of (x - m_new) and (m - m_new) is 0, so exp2(-|x - m| / T) is the only factor
+    needed. -inf adds nothing; NaN makes the lane sum NaN; +inf makes the max +inf.
+    """
+    gt = x > m
+    e = tl.exp2(-tl.abs((x - m) * c2))
+    e = tl.where(x == NEG_INF, 0.0, e)
+    s = tl.where(gt, s * e + 1.0, s + e)
+    if WITH_IDX:
+        am = tl.where(gt, offs, am)
+    return tl.maximum(m, x), s, am
+
+
+@triton.jit
+def _lane_reduce(m, s, am, c2, WITH_IDX: tl.constexpr):
+    """Merge per-lane (max, sum, argmax) into one per row (first argmax on ties)."""
+    M = tl.max(m, 1)
+    Ms = tl.where(M == NEG_INF, 0.0, M)
+    S = tl.sum(s * tl.exp2((m - Ms[:, None]) * c2), 1)
+    if WITH_IDX:
+        am = tl.min(tl.where(m == M[:, None], am, BIG_IDX), 1)
+    else:
+        am = tl.zeros_like(M).to(tl.int32)
+    return M, S, am
+
+
+@triton.jit
+def _masked_logits(ptrs, msk, offs, scale, thr, TOPK: tl.constexpr):
+    """One tile of logits as float32 (-inf outside the mask or below the top-k threshold)."""
+    x = tl.load(ptrs[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
+    if TOPK:
+        z = tl.math.div_rn(x, scale[:, None])
+        x = tl.where(z < thr[:, None], NEG_INF, x)
+    return x
+
+
+@triton.jit
+def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_Q: tl.constexpr, TOPK: tl.constexpr):
+    """Stats of one chunk of p (max, sum, argmax) and q (max, sum): both tiles are loaded
+    before any arithmetic, lanes keep running stats over the tiles, one reduction at the end."""
+    m_p = tl.full([ROWS, BLOCK], NEG_INF, tl.float32)
+    s_p = tl.zeros([ROWS, BLOCK], tl.float32)
+    i_p = tl.zeros([ROWS, BLOCK], tl.int32)
+    m_q = m_p
+    s_q = s_p
     for t in tl.static_range(0, CHUNK, BLOCK):
         offs = v0 + t + tl.arange(0, BLOCK)
-        msk = rmask[:, None] & (offs < V)[None, :]
-        x = tl.load(ptrs[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
-        if TOPK:
-            z = tl.math.div_rn(x, scale[:, None])
-            x = tl.where(z < thr[:, None], NEG_INF, x)
-        if WITH_IDX:
-            tm, ti = tl.max(x, 1, return_indices=True)
-            am = tl.where(tm > m, ti + (v0 + t), am)
-        else:
-            tm = tl.max(x, 1)
-        m_new = tl.maximum(m, tm)
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-        e = tl.exp2((x - m_safe[:, None]) * c2[:, None])
-        s = s * tl.exp2((m - m_safe) * c2) + tl.sum(e, 1)
-        m = m_new
-    return m, s, am
+        vm = (offs < V)[None, :]
+        x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
+        if HAS_Q:
+            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
+        m_p, s_p, i_p = _lane_update(x, offs[None, :], m_p, s_p, i_p, c2[:, None], True)
+        if HAS_Q:
+            m_q, s_q, i_p = _lane_update(y, offs[None, :], m_q, s_q, i_p, c2[:, None], False)
+    mp, sp, ip = _lane_reduce(m_p, s_p, i_p, c2[:, None], True)
+    mq = tl.zeros([ROWS], tl.float32)
+    sq = mq
+    if HAS_Q:
+        mq, sq, iq = _lane_reduce(m_q, s_q, i_p, c2[:, None], False)
+    return mp, sp, ip, mq, sq
 
 
 @triton.jit
@@ -207,67 +264,102 @@ def _token_logprob(ptr_rows, x, scale, thr, Mz, logS, rmask, TOPK: tl.constexpr)
 
 
 @triton.jit
-def _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-            seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR,
-            G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-            TOPK: tl.constexpr, ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr,
-            INTERPRET: tl.constexpr):
-    """Accept tests of one row group; writes accepted drafts, greedy fixes, n_accepted, j*."""
+def _accept_test(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale,
+                 c2, greedy, seed_m, mp, lsp, amp, G: tl.constexpr, ROWS: tl.constexpr,
+                 NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """Accept test of draft j: (ok, poisoned, q max/T, q log-sum) per row."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    x = tl.load(tok + rows64 * G + j, mask=rmask, other=0).to(tl.int32)
+    bad = (x < 0) | (x >= V)
+    x = tl.where(bad, 0, x)
+    thp = _load_thr(ws, thr_p, rows * (G + 1) + j, rmask, TOPK)
+    lp = _token_logprob(tgt + rows64 * t_sb + j * V, x, scale, thp, mp, lsp, rmask, TOPK)
+    mq = tl.zeros([ROWS], tl.float32)
+    lsq = mq
+    lq = mq
+    if HAS_Q:
+        rq = rows * G + j
+        mq, lsq, _unused, badq = _merge_stats(ws, q_m, q_s, p_i, rq, NC, rmask, scale, c2,
+                                              NC_P2, False, INTERPRET)
+        bad = bad | badq
+        thq = _load_thr(ws, thr_q, rq, rmask, TOPK)
+        lq = _token_logprob(drf + rows64 * d_sb + j * V, x, scale, thq, mq, lsq, rmask, TOPK)
+    u = _uniform(_stream_key(seed_m, rows * (G + 1) + j, INTERPRET),
+                 tl.zeros([ROWS], tl.int32) + V, INTERPRET)
+    ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
+    return tl.where(greedy, x == amp, ok_s), bad, mq, lsq
+
+
+@triton.jit
+def _decide_step(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
+                 greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
+                 G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                 TOPK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Draft j: merge p's partials, accept test, and the per-row state update."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, rows * (G + 1) + j, NC, rmask,
+                                      scale, c2, NC_P2, True, INTERPRET)
+    ok, badx, mq, lsq = _accept_test(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws,
+                                     B, V, NC, NCR, scale, c2, greedy, seed_m, mp, lsp, amp,
+                                     G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
+    stop = alive & ~ok
+    jstar = tl.where(stop, j, jstar)
+    smq = tl.where(stop, mq, smq)
+    slq = tl.where(stop, lsq, slq)
+    smp = tl.where(stop, mp, smp)
+    slp = tl.where(stop, lsp, slp)
+    sam = tl.where(stop, amp, sam)
+    alive = alive & ok
+    n = n + alive.to(tl.int32)
+    return bad | badp | badx, alive, n, jstar, smp, slp, smq, slq, sam
+
+
+@triton.jit
+def _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out, B, V,
+            G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
+            NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+            ROW_TEMP: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Accept tests of one row group; writes accepted drafts, greedy fixes, n_accepted, j*.
+
+    UNROLL: the drafts' loads overlap (latency); else a runtime loop keeps the code small
+    (the fused streaming kernel at large batch).
+    """
+    NC = tl.cdiv(V, CHUNK)
+    NCR = tl.cdiv(V, RCHUNK)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
     scale, c2, greedy, bad = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
-    seed_m = _load_seed(seed_ptr, seed, SEED_PTR)
+    seed_m = _load_seed_rt(seed_ptr, seed, seed_mode)
     alive = rmask
     n = tl.zeros([ROWS], tl.int32)
     jstar = tl.full([ROWS], G, tl.int32)
-    st = tl.zeros([ROWS], tl.float32)
-    smp, slp, smq, slq, sam = st, st, st, st, n
-    for j in tl.static_range(0, G + 1):
-        r = rows * (G + 1) + j
-        mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, r, NC, rmask, scale, c2,
-                                          NC_P2, True, INTERPRET)
-        bad = bad | badp
-        if j < G:
-            x = tl.load(tok + rows64 * k_sb + j * k_sj, mask=rmask, other=0).to(tl.int32)
-            bad = bad | (x < 0) | (x >= V)
-            x = tl.where((x >= 0) & (x < V), x, 0)
-            thp = 0.0
-            if TOPK:
-                thp = tl.load(ws + thr_p + r, mask=rmask, other=NEG_INF)
-            lp = _token_logprob(tgt + rows64 * t_sb + j * t_sj, x, scale, thp, mp, lsp, rmask,
-                                TOPK)
-            mq = st
-            lsq = st
-            lq = st
-            if HAS_Q:
-                rq = rows * G + j
-                mq, lsq, _unused, badq = _merge_stats(ws, q_m, q_s, p_i, rq, NC, rmask, scale,
-                                                      c2, NC_P2, False, INTERPRET)
-                bad = bad | badq
-                thq = 0.0
-                if TOPK:
-                    thq = tl.load(ws + thr_q + rq, mask=rmask, other=NEG_INF)
-                lq = _token_logprob(drf + rows64 * d_sb + j * d_sj, x, scale, thq, mq, lsq,
-                                    rmask, TOPK)
-            u = _uniform(_stream_key(seed_m, r, INTERPRET), tl.zeros([ROWS], tl.int32) + V,
-                         INTERPRET)
-            ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
-            ok = tl.where(greedy, x == amp, ok_s)
-            stop = alive & ~ok
-            jstar = tl.where(stop, j, jstar)
-            smq = tl.where(stop, mq, smq)
-            slq = tl.where(stop, lsq, slq)
-        else:
-            stop = alive
-        smp = tl.where(stop, mp, smp)
-        slp = tl.where(stop, lsp, slp)
-        sam = tl.where(stop, amp, sam)
-        if j < G:
-            alive = alive & ok
-            n = n + alive.to(tl.int32)
-    _write_rows(tok, k_sb, k_sj, rows64, rmask, out, o_sb, nacc, n, greedy, bad, sam, G)
+    smp = tl.zeros([ROWS], tl.float32)
+    slp = smp
+    smq = smp
+    slq = smp
+    sam = n
+    if UNROLL:
+        for j in tl.static_range(0, G):
+            bad, alive, n, jstar, smp, slp, smq, slq, sam = _decide_step(
+                j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
+                greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
+                G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
+    else:
+        for j in range(0, G):
+            bad, alive, n, jstar, smp, slp, smq, slq, sam = _decide_step(
+                j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
+                greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
+                G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
+    mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, rows * (G + 1) + G, NC, rmask, scale,
+                                      c2, NC_P2, True, INTERPRET)
+    bad = bad | badp
+    smp = tl.where(alive, mp, smp)
+    slp = tl.where(alive, lsp, slp)
+    sam = tl.where(alive, amp, sam)
+    _write_rows(tok, rows64, rmask, out, B, n, greedy, bad, sam, G)
     need = rmask & ~greedy & ~bad
     base = ws + rowstat + rows * N_ROWSTAT
     tl.store(base, tl.where(need, jstar, -1).to(tl.float32), mask=rmask)
@@ -278,17 +370,19 @@ def _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp
 
 
 @triton.jit
-def _write_rows(tok, k_sb, k_sj, rows64, rmask, out, o_sb, nacc, n, greedy, bad, fix,
-                G: tl.constexpr):
-    """out[b, j]: draft if j < n, greedy fix (or -1 placeholder) at n, -1 after; poison -> -1."""
+def _write_rows(tok, rows64, rmask, out, B, n, greedy, bad, fix, G: tl.constexpr):
+    """out[b, j]: draft if j < n, greedy fix (or -1 placeholder) at n, -1 after; poison -> -1.
+
+    ``out`` holds the tokens [B, G+1] followed by n_accepted [B].
+    """
     for j in tl.static_range(0, G + 1):
         if j < G:
-            x = tl.load(tok + rows64 * k_sb + j * k_sj, mask=rmask, other=0)
+            x = tl.load(tok + rows64 * G + j, mask=rmask, other=0)
         else:
             x = tl.zeros(rows64.shape, tl.int64)
         v = tl.where(j < n, x.to(tl.int64), tl.where((j == n) & greedy, fix.to(tl.int64), -1))
-        tl.store(out + rows64 * o_sb + j, tl.where(bad, -1, v), mask=rmask)
-    tl.store(nacc + rows64, tl.where(bad, -1, n).to(tl.int64), mask=rmask)
+        tl.store(out + rows64 * (G + 1) + j, tl.where(bad, -1, v), mask=rmask)
+    tl.store(out + B * (G + 1) + rows64, tl.where(bad, -1, n).to(tl.int64), mask=rmask)
 
 
 @triton.jit
@@ -299,70 +393,86 @@ def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
         return tl.zeros(r.shape, tl.float32)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def stats_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-                 seed_ptr, seed, ws, cnt, out, o_sb, nacc, B, V, NC, NCR,
+@triton.jit(do_not_specialize=["seed", "seed_mode"])
+def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
+                 out, B, V,
                  G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
-                 ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr, FUSED: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """Pass 1 over chunk c of position j for a group of ROWS rows; the last program decides."""
+                 RCHUNK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                 TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+                 FUSED: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Pass 1 over chunk c of position j (p, and q when j < G) for a group of ROWS rows.
+
+    Rows are [G+1, V] (target) and [G, V] (draft) blocks with unit inner strides; t_sb and
+    d_sb are the batch strides. With FUSED the last program of a row group decides.
+    """
     c = tl.program_id(0)
     g = tl.program_id(1)
     j = tl.program_id(2)
+    NC = tl.cdiv(V, CHUNK)
+    NCR = tl.cdiv(V, RCHUNK)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
     scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
     r = rows * (G + 1) + j
-    thr = _load_thr(ws, thr_p, r, rmask, TOPK)
-    m, s, am = _chunk_stats(tgt + rows64 * t_sb + j * t_sj, rmask, c * CHUNK, V, scale, c2, thr,
-                            ROWS, CHUNK, BLOCK, TOPK, True)
-    _store_stats(ws, p_m, p_s, p_i, r, c, NC, rmask, m, s, am, True)
+    jq = tl.minimum(j, G - 1)
+    rq = rows * G + jq
+    qmask = rmask & ((rows * 0 + j) < G)
+    thp = _load_thr(ws, thr_p, r, rmask, TOPK)
+    thq = _load_thr(ws, thr_q, rq, qmask, TOPK)
+    mp, sp, ip, mq, sq = _chunk_stats(tgt + rows64 * t_sb + j * V, drf + rows64 * d_sb + jq * V,
+                                      rmask, qmask, c * CHUNK, V, scale, c2, thp, thq, ROWS,
+                                      CHUNK, BLOCK, HAS_Q, TOPK)
+    _store_stats(ws, p_m, p_s, p_i, r, c, NC, rmask, mp, sp, ip, True)
     if HAS_Q:
-        if j < G:
-            rq = rows * G + j
-            thq = _load_thr(ws, thr_q, rq, rmask, TOPK)
-            m, s, am = _chunk_stats(drf + rows64 * d_sb + j * d_sj, rmask, c * CHUNK, V, scale,
-                                    c2, thq, ROWS, CHUNK, BLOCK, TOPK, False)
-            _store_stats(ws, q_m, q_s, p_i, rq, c, NC, rmask, m, s, am, False)
+        _store_stats(ws, q_m, q_s, p_i, rq, c, NC, qmask, mq, sq, ip, False)
     if FUSED:
         tl.debug_barrier()
         done = tl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
         if done == NC * (G + 1) - 1:
-            _decide(g, tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-                    seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR, G, ROWS, NC_P2, HAS_Q, TOPK,
-                    ROW_TEMP, SEED_PTR, INTERPRET)
+            _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
+                    out, B, V,
+                    G, ROWS, CHUNK, RCHUNK, NC_P2, HAS_Q, TOPK, ROW_TEMP, UNROLL, INTERPRET)
             tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["seed"])
-def decide_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-                  seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR,
-                  G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                  TOPK: tl.constexpr, ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr,
+@triton.jit(do_not_specialize=["seed", "seed_mode"])
+def decide_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out,
+                  B, V,
+                  G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                  RCHUNK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                  TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    """Unfused decide step: one program per row group."""
-    _decide(tl.program_id(0), tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-            seed_ptr, seed, ws, out, o_sb, nacc, B, V, NC, NCR, G, ROWS, NC_P2, HAS_Q, TOPK, ROW_TEMP,
-            SEED_PTR, INTERPRET)
+    """Unfused decide step: one program per row group (drafts unrolled)."""
+    _decide(tl.program_id(0), tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode,
+            ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NC_P2, HAS_Q, TOPK, ROW_TEMP, True, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- pass 2
 @triton.jit
+def _scaled(x, scale, UNIT: tl.constexpr):
+    """x / T with IEEE division; UNIT (every T is 1) skips it: x / 1 is exactly x."""
+    if UNIT:
+        return x
+    else:
+        return tl.math.div_rn(x, scale[:, None])
+
+
+@triton.jit
 def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp, thq,
-               key, HAS_Q: tl.constexpr, TOPK: tl.constexpr, INTERPRET: tl.constexpr):
+               key, HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """Race keys of one tile: (log max(0, p - q) or log p) - log E, and log p - log E."""
     x = tl.load(tgt_rows[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
-    z = tl.math.div_rn(x, scale[:, None])
+    z = _scaled(x, scale, UNIT)
     if TOPK:
         z = tl.where(z < thp[:, None], NEG_INF, z)
     logp = (z - Mp[:, None]) - lSp[:, None]
     if HAS_Q:
         y = tl.load(drf_rows[:, None] + offs[None, :], mask=msk & is_res[:, None],
                     other=NEG_INF).to(tl.float32)
-        zq = tl.math.div_rn(y, scale[:, None])
+        zq = _scaled(y, scale, UNIT)
         if TOPK:
             zq = tl.where(zq < thq[:, None], NEG_INF, zq)
         logq = (zq - Mq[:, None]) - lSq[:, None]
@@ -378,6 +488,26 @@ def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, 
 
 
 @triton.jit
+def _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq, thp, thq, key,
+                c, V, ROWS: tl.constexpr, RCHUNK: tl.constexpr, RBLOCK: tl.constexpr,
+                HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Best race key and its first index over one chunk (residual keys, and p's fallback)."""
+    best = tl.full([ROWS], NEG_INF, tl.float32)
+    fb = tl.full([ROWS], NEG_INF, tl.float32)
+    bidx = tl.zeros([ROWS], tl.int32)
+    fidx = tl.zeros([ROWS], tl.int32)
+    for t in tl.static_range(0, RCHUNK, RBLOCK):
+        offs = c * RCHUNK + t + tl.arange(0, RBLOCK)
+        msk = need[:, None] & (offs < V)[None, :]
+        k1, k2 = _race_tile(tgt_rows, drf_rows, xtok.to(tl.int32), offs, msk, is_res, scale,
+                            Mp, lSp, Mq, lSq, thp, thq, key, HAS_Q, TOPK, UNIT, INTERPRET)
+        best, bidx = _best(best, bidx, k1, c * RCHUNK + t)
+        fb, fidx = _best(fb, fidx, k2, c * RCHUNK + t)
+    return best, bidx, fb, fidx
+
+
+@triton.jit
 def _best(best, bidx, k, base):
     """Running (max, first argmax) update with one tile's keys."""
     tb, ti = tl.max(k, 1, return_indices=True)
@@ -385,16 +515,18 @@ def _best(best, bidx, k, base):
     return tl.where(upd, tb, best), tl.where(upd, ti + base, bidx)
 
 
-@triton.jit(do_not_specialize=["seed"])
-def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, temp,
-                seed_ptr, seed, ws, cnt, out, o_sb, B, V, NC, NCR,
-                G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                NCR_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
-                ROW_TEMP: tl.constexpr, SEED_PTR: tl.constexpr, FUSED: tl.constexpr,
-                INTERPRET: tl.constexpr):
+@triton.jit(do_not_specialize=["seed", "seed_mode"])
+def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
+                out, B, V,
+                G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
+                RBLOCK: tl.constexpr, NCR_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+                FUSED: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass 2: chunk c of the exponential race at position j* of each stochastic row."""
     c = tl.program_id(0)
     g = tl.program_id(1)
+    NC = tl.cdiv(V, CHUNK)
+    NCR = tl.cdiv(V, RCHUNK)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
@@ -413,21 +545,19 @@ def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, tem
         lSq = tl.load(base + 4, mask=need, other=0.0)
         thp = _load_thr(ws, thr_p, rows * (G + 1) + j, need, TOPK)
         thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
-        xtok = tl.load(tok + rows64 * k_sb + jq * k_sj, mask=need & is_res, other=-1)
-        key = _stream_key(_load_seed(seed_ptr, seed, SEED_PTR), rows * (G + 1) + j, INTERPRET)
-        tgt_rows = tgt + rows64 * t_sb + j * t_sj
-        drf_rows = drf + rows64 * d_sb + jq * d_sj
-        best = tl.full([ROWS], NEG_INF, tl.float32)
-        fb = tl.full([ROWS], NEG_INF, tl.float32)
-        bidx = tl.zeros([ROWS], tl.int32)
-        fidx = tl.zeros([ROWS], tl.int32)
-        for t in tl.static_range(0, CHUNK, BLOCK):
-            offs = c * CHUNK + t + tl.arange(0, BLOCK)
-            msk = need[:, None] & (offs < V)[None, :]
-            k1, k2 = _race_tile(tgt_rows, drf_rows, xtok.to(tl.int32), offs, msk, is_res, scale,
-                                Mp, lSp, Mq, lSq, thp, thq, key, HAS_Q, TOPK, INTERPRET)
-            best, bidx = _best(best, bidx, k1, c * CHUNK + t)
-            fb, fidx = _best(fb, fidx, k2, c * CHUNK + t)
+        xtok = tl.load(tok + rows64 * G + jq, mask=need & is_res, other=-1)
+        key = _stream_key(_load_seed_rt(seed_ptr, seed, seed_mode), rows * (G + 1) + j, INTERPRET)
+        tgt_rows = tgt + rows64 * t_sb + j * V
+        drf_rows = drf + rows64 * d_sb + jq * V
+        unit = tl.max(tl.abs(tl.where(need, scale, 1.0) - 1.0), 0) == 0.0
+        if unit:                                     # uniform per program: T = 1 everywhere
+            best, bidx, fb, fidx = _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale,
+                                               Mp, lSp, Mq, lSq, thp, thq, key, c, V, ROWS,
+                                               RCHUNK, RBLOCK, HAS_Q, TOPK, True, INTERPRET)
+        else:
+            best, bidx, fb, fidx = _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale,
+                                               Mp, lSp, Mq, lSq, thp, thq, key, c, V, ROWS,
+                                               RCHUNK, RBLOCK, HAS_Q, TOPK, False, INTERPRET)
         off = rows * NCR + c
         tl.store(ws + race + off, best, mask=need)
         tl.store(ws + race + B * NCR + off, bidx.to(tl.float32), mask=need)
@@ -435,10 +565,10 @@ def race_kernel(tgt, t_sb, t_sj, drf, d_sb, d_sj, tok, k_sb, k_sj, temp_ptr, tem
         tl.store(ws + race + 3 * B * NCR + off, fidx.to(tl.float32), mask=need)
     if FUSED:
         tl.debug_barrier()
-        done = tl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(cnt + tl.num_programs(1) + g, 1, sem="acq_rel", scope="gpu")
         if done == NCR - 1:
-            _finish(g, ws, out, o_sb, B, NC, NCR, G, ROWS, NCR_P2)
-            tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
+            _finish(g, ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NCR_P2)
+            tl.atomic_xchg(cnt + tl.num_programs(1) + g, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -454,9 +584,11 @@ def _argbest(ws, base_k, base_i, rows, need, NC, NC_P2: tl.constexpr):
 
 
 @triton.jit
-def _finish(g, ws, out, o_sb, B, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr,
-            NCR_P2: tl.constexpr):
+def _finish(g, ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+            RCHUNK: tl.constexpr, NCR_P2: tl.constexpr):
     """Winner of the race of each stochastic row (fallback to p when the residual is empty)."""
+    NC = tl.cdiv(V, CHUNK)
+    NCR = tl.cdiv(V, RCHUNK)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
@@ -466,14 +598,14 @@ def _finish(g, ws, out, o_sb, B, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr,
     FK, FI = _argbest(ws, race + 2 * B * NCR, race + 3 * B * NCR, rows, need, NCR, NCR_P2)
     winner = tl.where(K > NEG_INF, I, FI).to(tl.int64)
     j = tl.where(need, jf, 0.0).to(tl.int64)
-    tl.store(out + rows.to(tl.int64) * o_sb + j, winner, mask=need)
+    tl.store(out + rows.to(tl.int64) * (G + 1) + j, winner, mask=need)
 
 
 @triton.jit
-def finish_kernel(ws, out, o_sb, B, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr,
-                  NCR_P2: tl.constexpr):
+def finish_kernel(ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                  RCHUNK: tl.constexpr, NCR_P2: tl.constexpr):
     """Unfused race winner: one program per row group."""
-    _finish(tl.program_id(0), ws, out, o_sb, B, NC, NCR, G, ROWS, NCR_P2)
+    _finish(tl.program_id(0), ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NCR_P2)
 
 
 # ----------------------------------------------------------------------------- top-k
