@@ -347,26 +347,29 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def _warm_shape(job: tuple) -> str:
     """Compile every kernel variant one shape uses (fills Triton's on-disk cache)."""
-    knobs, shape, seed = job
+    knobs, shape, seed, device_name = job
     from flashspec.verify import triton_backend as tb
     batch, gamma, vocab = shape
-    device = torch.device("cuda")
+    device = torch.device(device_name)
     gen = torch.Generator(device=device).manual_seed(seed)
     params = SamplingParams(temperature=float(knobs["temperature"]))
     args = make_inputs(batch, gamma, vocab, getattr(torch, knobs["dtype"]), knobs["draft"],
                        params.temperature, device, gen)
     for fused in (True, False):
         tb.launch(*args, params, 3, fused=fused)
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return f"{shape} compiled"
 
 
-def precompile(knobs: dict, shapes: list[tuple[int, int, int]], workers: int, seed: int) -> None:
+def precompile(knobs: dict, shapes: list[tuple[int, int, int]], workers: int, seed: int,
+               device: torch.device) -> None:
     """Compile the kernels of all shapes in ``workers`` processes before timing anything."""
     import multiprocessing as mp
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
-        for msg in pool.imap_unordered(_warm_shape, [(knobs, s, seed) for s in shapes]):
+        for msg in pool.imap_unordered(_warm_shape, [(knobs, s, seed, device.type)
+                                                          for s in shapes]):
             print(f"precompile: {msg} at {time.time() - t0:.0f} s", flush=True)
 
 
@@ -448,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="source commit, where the box has no git")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="compile every shape's kernels in N processes first (GPU)")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="with --precompile: compile, then exit (no timing)")
     ap.add_argument("--probe-direct", action="store_true",
                     help="only check FLASHSPEC_DIRECT_LAUNCH=1 against the reference (GPU)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
@@ -466,8 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             "source_commit": args.commit}
     args.out.mkdir(parents=True, exist_ok=True)
     knobs = knobs_of(exp, args.smoke, device)
-    if args.precompile > 0 and device.type == "cuda":
-        precompile(knobs, shapes_of(knobs), args.precompile, args.seed)
+    if args.precompile > 0:
+        precompile(knobs, shapes_of(knobs), args.precompile, args.seed, device)
+        if args.precompile_only:
+            return 0
     summary = bench(knobs, device, float(hw["mem_bandwidth_gbs"]),
                     args.out, conf, args.seed)
     print(summary)
