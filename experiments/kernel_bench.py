@@ -299,9 +299,17 @@ def bench(knobs: dict, device: torch.device, bandwidth_gbs: float, out_dir: Path
 
 
 def summarize(rows: list[dict]) -> dict:
+    """Gate inputs plus the issue's bars: B=1 speedup, floor ratio at B=64, γ=4, V=128256."""
     ok = [r["identical"] and r.get("graph_identical") is not False for r in rows]
+    b1 = [r["speedup_eager"] for r in rows if r["B"] == 1]
+    bar = [r for r in rows if (r["B"], r["gamma"], r["V"]) == (64, 4, 128256)]
     return {"n_records": len(rows), "all_identical": all(ok),
+            "eager_identical": all(r["identical"] for r in rows),
+            "graph_identical": all(r.get("graph_identical") is not False for r in rows),
             "min_speedup_eager": min(r["speedup_eager"] for r in rows),
+            "min_speedup_eager_B1": min(b1) if b1 else None,
+            "bar_floor_ratio_eager": bar[0]["floor_ratio"] if bar else None,
+            "bar_floor_ratio_graph": bar[0].get("graph_floor_ratio") if bar else None,
             "no_host_sync": all(r["no_host_sync"] is not False for r in rows)}
 
 
