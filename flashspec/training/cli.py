@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wandb", default="disabled", choices=["disabled", "offline", "online"])
     p.add_argument("--smoke", action="store_true", help="a few steps on tiny data")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="unix time by which training ends: the budget left once the data is ready")
+    p.add_argument("--no-save-data", action="store_true",
+                   help="do not write generated data to the cache (a one-shot data+train job)")
+    p.add_argument("--data-only", action="store_true",
+                   help="generate (or load) the cached data and exit without training")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="any DataSpec (data.*), TrainConfig (train.*) or JobOptions (job.*) field")
     return p
@@ -85,6 +91,7 @@ def options_from_args(args: argparse.Namespace):
     if args.gen_batch is not None:
         data["batch_size"] = args.gen_batch
     job: dict[str, Any] = {"train_head": True} if args.head_rank else {}
+    job.update({"deadline": args.deadline, "save_data": not args.no_save_data})
     apply_sets({"data": data, "train": tr, "job": job}, args.set)
     out = Path(args.out)
     cache = Path(args.cache_dir) if args.cache_dir else (
@@ -93,6 +100,18 @@ def options_from_args(args: argparse.Namespace):
            for part in (DEFAULT_MIX if args.mix is None else args.mix)]
     return JobOptions(data=data_specs(data, mix), train=train_config(tr), out_dir=out, cache_dir=cache,
                       source=args.source, export=args.export, **job)
+
+
+def build_data(target, tokenizer, opts) -> int:
+    """``--data-only``: fill the data cache for ``opts`` and print what it holds."""
+    from flashspec.training.data import load_mix
+    data = load_mix(target, tokenizer, opts.data, opts.cache_dir, opts.source, opts.progress)
+    print({"n_sequences": len(data), "n_tokens": data.n_tokens,
+           "n_response_tokens": data.n_response_tokens, "key": data.meta.get("key"),
+           "generation": [p.get("generation") for p in data.meta.get("parts", [data.meta])],
+           "synthetic": {k: {"kept": v.get("kept"), "rejected": v.get("rejected")}
+                         for k, v in (data.meta.get("synthetic") or {}).items()}})
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
         target, tokenizer = load_model(args.source, dtype=dtype, device=args.device)
         config = {"cli": vars(args), "dtype": dtype}
+        if args.data_only:
+            return build_data(target, tokenizer, opts)
         logger = WandbLogger(mode=args.wandb, project="flashspec", name="train_drafter",
                              config=config, dir=opts.out_dir)
         head = None

@@ -2,10 +2,14 @@
 
 Prompts come from the ``train`` split of the prompt sets (disjoint from every ``eval`` prompt);
 the target samples continuations (T ≈ 1) through :class:`flashspec.engine.SpecEngine`, batched;
-MT-Bench turn 2 follows the sample's own turn-1 answer. A second, cache-free forward over each
-full sequence gives the target's final-normed hidden state at every position; the target's
-next-token distribution there, ``softmax(lm_head(feature))``, is stored as its top-k
-log-probabilities (the rest of the mass is one "tail" bucket in the training loss).
+MT-Bench turn 2 follows the sample's own turn-1 answer. Self-generated prompt sets
+(``selfchat``, ``selfmath``: :mod:`flashspec.training.prompts`) add requests the target wrote
+itself; their provenance is kept under ``meta["synthetic"]``. Jobs are shuffled (seeded) before
+batching, so an optional generation time budget (``time_budget_s``, checked before every engine
+call) stops with balanced data. A second, cache-free forward over each full sequence gives the
+target's final-normed hidden state at every position; the target's next-token distribution
+there, ``softmax(lm_head(feature))``, is stored as its top-k log-probabilities (the rest of the
+mass is one "tail" bucket in the training loss).
 
 The result (tokens, offsets, features, prompt ids) is cached under ``.cache/eagle_data/<key>``,
 keyed by everything that shapes it, so reruns skip generation.
@@ -15,9 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,6 +35,7 @@ from flashspec.models.llama import LlamaLM
 
 log = logging.getLogger(__name__)
 FORMAT = "flashspec-distill-v1"
+GROUP_BATCHES = 4   # generation batches per job group (turn 2 follows turn 1 inside a group)
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,8 @@ class DataSpec:
     seed: int = 0
     split: str = "train"
     topk: int = 32              # target log-probs kept per position
+    time_budget_s: float | None = None  # stop starting generation batches after this long
+    engine_graphs: bool = False  # SpecEngine(graphs=True): CUDA-graph steps (not in the key)
 
     def __post_init__(self) -> None:
         if self.temperature == 0 and any(int(v) > 1 for v in self.samples.values()):
@@ -53,8 +63,11 @@ class DataSpec:
                                  f"prompt, got samples={self.samples}")
 
     def key(self, target_tag: str) -> str:
-        blob = json.dumps({"spec": asdict(self), "target": target_tag, "format": FORMAT},
-                          sort_keys=True)
+        spec = asdict(self)
+        del spec["engine_graphs"]          # how the steps run, not what they produce
+        if spec["time_budget_s"] is None:  # absent from older keys: their caches stay valid
+            del spec["time_budget_s"]
+        blob = json.dumps({"spec": spec, "target": target_tag, "format": FORMAT}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -124,29 +137,34 @@ def target_tag(target: LlamaLM, source: str) -> str:
 
 
 def load_or_build(target: LlamaLM, tokenizer, spec: DataSpec, cache_root: Path, source: str,
-                  progress: bool = True) -> DistillData:
-    """The cached dataset for (target, spec), generating it on a miss."""
+                  progress: bool = True, save: bool = True) -> DistillData:
+    """The cached dataset for (target, spec), generating it on a miss (and caching it unless
+    ``save`` is false: a one-shot job that trains in the same process skips the disk)."""
     folder = cache_root / spec.key(target_tag(target, source))
     if (folder / "data.safetensors").is_file():
         log.info("distill data: cache hit %s", folder)
         return DistillData.load(folder)
-    seqs = generate(target, tokenizer, spec, progress)
+    tag = target_tag(target, source)
+    seqs, gen_meta = generate(target, tokenizer, spec, progress, cache_root, tag)
+    t0 = time.perf_counter()
     feats = features(target, [s.tokens for s in seqs], spec.topk, progress=progress)
-    data = pack(seqs, feats, {"format": FORMAT, "spec": asdict(spec),
-                              "target": target_tag(target, source), "key": folder.name,
-                              "prompt_ids": prompt_ids(seqs)})
-    data.save(folder)
+    gen_meta["features_s"] = round(time.perf_counter() - t0, 2)
+    data = pack(seqs, feats, {"format": FORMAT, "spec": asdict(spec), "target": tag,
+                              "key": folder.name, "prompt_ids": prompt_ids(seqs), **gen_meta})
+    if save:
+        data.save(folder)
     log.info("distill data: %d sequences, %d tokens (%d response) -> %s", len(data),
-             data.n_tokens, data.n_response_tokens, folder)
+             data.n_tokens, data.n_response_tokens, folder if save else "(not saved)")
     return data
 
 
 def load_mix(target: LlamaLM, tokenizer, specs: Sequence[DataSpec], cache_root: Path, source: str,
-             progress: bool = True) -> DistillData:
+             progress: bool = True, save: bool = True) -> DistillData:
     """Several data specs (e.g. T=1 samples and greedy continuations), each cached, concatenated."""
     if not specs:
         raise FlashSpecError("no data spec given")
-    return concat([load_or_build(target, tokenizer, s, cache_root, source, progress) for s in specs])
+    return concat([load_or_build(target, tokenizer, s, cache_root, source, progress, save)
+                   for s in specs])
 
 
 def concat(parts: Sequence[DistillData]) -> DistillData:
@@ -162,26 +180,41 @@ def concat(parts: Sequence[DistillData]) -> DistillData:
     meta = {"format": FORMAT, "key": "+".join(p.meta.get("key", "?") for p in parts),
             "parts": [{k: v for k, v in p.meta.items() if k != "sequences"} for p in parts],
             "spec": [p.meta.get("spec") for p in parts], "target": parts[0].meta.get("target"),
-            "prompt_ids": ids, "sequences": [s for p in parts for s in p.meta.get("sequences", [])]}
+            "prompt_ids": ids, "sequences": [s for p in parts for s in p.meta.get("sequences", [])],
+            "synthetic": {k: v for p in parts for k, v in p.meta.get("synthetic", {}).items()}}
     cat = lambda name: torch.cat([getattr(p, name) for p in parts])
     return DistillData(cat("tokens"), offsets, cat("n_prompt"), cat("features"), cat("top_ids"),
                        cat("top_logp"), meta)
 
 
 def prompt_ids(seqs: Sequence[Sequence_]) -> dict[str, list[str]]:
+    """Ids of the real (non-synthetic) prompts per dataset, in first-seen order."""
+    from flashspec.data import DATASETS
     out: dict[str, list[str]] = {}
     for s in seqs:
+        if s.dataset not in DATASETS:
+            continue
         ids = out.setdefault(s.dataset, [])
         if s.prompt_id not in ids:
             ids.append(s.prompt_id)
     return out
 
 
-def train_prompts(spec: DataSpec) -> list:
-    """The prompts of ``spec`` (train split), checked disjoint from every eval prompt."""
+SynthFn = Callable[[str, int], list]
+
+
+def train_prompts(spec: DataSpec, synth: SynthFn | None = None) -> list:
+    """The prompts of ``spec`` (train split), checked disjoint from every eval prompt;
+    synthetic sets (``selfchat``, ``selfmath``) come from ``synth(name, n)``."""
     from flashspec.data import load_prompts, split_ids
+    from flashspec.training.prompts import SYNTH_DATASETS
     prompts = []
     for name, n in spec.datasets.items():
+        if name in SYNTH_DATASETS:
+            if synth is None or not n:
+                raise FlashSpecError(f"synthetic prompt set {name!r} needs a count and a target")
+            prompts.extend(synth(name, int(n)))
+            continue
         chosen = load_prompts(name, n=n, seed=spec.seed, split=spec.split)
         if spec.split == "train":
             leaked = {p.id for p in chosen} & set(split_ids(name, "eval"))
@@ -191,43 +224,102 @@ def train_prompts(spec: DataSpec) -> list:
     return prompts
 
 
+def job_groups(prompts: Sequence, spec: DataSpec, group: int) -> list[list[tuple[Any, int]]]:
+    """Every (prompt, sample) job, shuffled (seeded) and cut into groups of ``group`` jobs: a
+    time budget that stops anywhere keeps the data balanced over datasets."""
+    jobs = [(p, k) for p in prompts for k in range(spec.samples.get(p.dataset, 1))]
+    random.Random(f"distill-jobs:{spec.seed}").shuffle(jobs)
+    return [jobs[lo:lo + group] for lo in range(0, len(jobs), group)]
+
+
 @torch.inference_mode()
-def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True) -> list[Sequence_]:
-    """Sampled continuations of every (prompt, sample, turn), batched through the engine."""
-    from flashspec.data import chat_ids
+def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
+             cache_root: Path | None = None, tag: str = "") -> tuple[list[Sequence_], dict[str, Any]]:
+    """Sampled continuations of every (prompt, sample, turn), batched through the engine, and
+    what was generated (synthetic prompt provenance, wall time, whether the budget cut it)."""
     from flashspec.engine import Arm, SpecEngine
+    from flashspec.training.prompts import synth_prompts
     from flashspec.verify.sampling import SamplingParams
 
+    t0 = time.perf_counter()
+    synthetic: dict[str, Any] = {}
+
+    def synth(name: str, n: int) -> list:
+        prompts, prov = synth_prompts(target, tokenizer, name, n, spec.seed, spec.batch_size,
+                                      cache_root, tag, progress)
+        synthetic[name] = prov
+        return prompts
+
+    prompts = train_prompts(spec, synth)
     params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    engine = SpecEngine(target, [Arm(None, 0)], params=params, seed=spec.seed, eos_ids=eos)
-    jobs = [(p, k) for p in train_prompts(spec) for k in range(spec.samples.get(p.dataset, 1))]
+    engine = SpecEngine(target, [Arm(None, 0)], params=params, seed=spec.seed, eos_ids=eos,
+                        **({"graphs": True} if spec.engine_graphs else {}))
+    groups = job_groups(prompts, spec, GROUP_BATCHES * spec.batch_size)
+    first = {p.id: first_turn_ids(tokenizer, p) for p in prompts}
+    deadline = t0 + spec.time_budget_s if spec.time_budget_s is not None else math.inf
+    out: list[Sequence_] = []
+    bar = tqdm(total=sum(len(p.turns) for g in groups for p, _ in g), desc="generate", unit="seq",
+               disable=not progress)
+    for jobs in groups:
+        out.extend(generate_group(engine, tokenizer, jobs, first, spec, bar, deadline, len(out)))
+        if time.perf_counter() > deadline:
+            log.info("generation budget %.0fs reached: %d of %d sequences", spec.time_budget_s,
+                     len(out), bar.total)
+            break
+    bar.close()
+    meta = {"synthetic": synthetic, "generation": {
+        "wall_s": round(time.perf_counter() - t0, 2), "sequences": len(out),
+        "planned": bar.total, "budget_s": spec.time_budget_s}}
+    return out, meta
+
+
+def first_turn_ids(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt's first turn (shared by all its samples)."""
+    from flashspec.data import chat_ids
+    return chat_ids(tokenizer, prompt.turns[:1], [])
+
+
+def generate_group(engine, tokenizer, jobs: Sequence[tuple[Any, int]], first: dict[str, list[int]],
+                   spec: DataSpec, bar, deadline: float = math.inf, done_before: int = 0
+                   ) -> list[Sequence_]:
+    """All turns of a group of jobs (turn t+1 follows the sample's own turn-t answer), batched
+    by length; no engine call starts after ``deadline`` (perf_counter time)."""
+    from flashspec.data import chat_ids
     answers: dict[tuple[str, int], list[str]] = {(p.id, k): [] for p, k in jobs}
     out: list[Sequence_] = []
-    n_turns = max(len(p.turns) for p, _ in jobs)
-    bar = tqdm(total=sum(len(p.turns) for p, _ in jobs), desc="generate", unit="seq",
-               disable=not progress)
-    for turn in range(n_turns):
+    for turn in range(max(len(p.turns) for p, _ in jobs)):
         live = [(p, k) for p, k in jobs if len(p.turns) > turn]
-        ids = [chat_ids(tokenizer, p.turns[:turn + 1], answers[(p.id, k)]) for p, k in live]
+        ids = [first[p.id] if turn == 0 else chat_ids(tokenizer, p.turns[:turn + 1],
+                                                      answers[(p.id, k)]) for p, k in live]
+        last_turn = [len(p.turns) == turn + 1 for p, _ in live]
         order = sorted(range(len(live)), key=lambda i: len(ids[i]))
         for lo in range(0, len(order), spec.batch_size):
+            if time.perf_counter() > deadline and (out or done_before):
+                return out  # (the first call always runs: a part is never empty)
             chunk = order[lo:lo + spec.batch_size]
             res = engine.generate([ids[i] for i in chunk], spec.max_new_tokens)
             for i, row in zip(chunk, res.rows):
                 p, k = live[i]
-                answers[(p.id, k)].append(tokenizer.decode(row.tokens, skip_special_tokens=True))
+                if not last_turn[i]:
+                    answers[(p.id, k)].append(tokenizer.decode(row.tokens, skip_special_tokens=True))
                 out.append(Sequence_(p.id, p.dataset, turn, k, ids[i] + row.tokens, len(ids[i])))
             bar.update(len(chunk))
-    bar.close()
     return out
 
 
+def feature_batch_tokens(target: LlamaLM) -> int:
+    """Padded tokens per feature forward: large on a GPU (the [n, V] log-softmax is the peak)."""
+    return 32768 if torch.device(target.device).type == "cuda" else 2048
+
+
 @torch.inference_mode()
-def features(target: LlamaLM, seqs: Sequence[Sequence[int]], topk: int, batch_tokens: int = 2048,
-             progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def features(target: LlamaLM, seqs: Sequence[Sequence[int]], topk: int,
+             batch_tokens: int | None = None, progress: bool = True
+             ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per full sequence: final-normed target hidden states [len, d] (float16) and the top-k
     (ids int32, log-probs float32) of the target's next-token distribution at each position."""
+    batch_tokens = batch_tokens or feature_batch_tokens(target)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[Any] = [None] * len(seqs)
     batches, cur = [], []
@@ -245,10 +337,11 @@ def features(target: LlamaLM, seqs: Sequence[Sequence[int]], topk: int, batch_to
         pos = torch.arange(width)[None].expand(len(chunk), -1)
         hidden = target.forward_hidden(tokens.to(target.device), pos.to(target.device))
         top = torch.log_softmax(target.logits(hidden).float(), -1).topk(topk, dim=-1)
+        hidden = hidden.to("cpu", torch.float16)   # one device-to-host copy per batch
+        ids, logp = top.indices.to("cpu", torch.int32), top.values.cpu()
         for r, i in enumerate(chunk):
             n = len(seqs[i])
-            out[i] = (hidden[r, :n].to("cpu", torch.float16), top.indices[r, :n].to("cpu", torch.int32),
-                      top.values[r, :n].cpu())
+            out[i] = (hidden[r, :n].clone(), ids[r, :n].clone(), logp[r, :n].clone())
     return out
 
 

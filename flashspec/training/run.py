@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,6 +23,7 @@ from flashspec.training.data import DataSpec, load_mix
 from flashspec.training.train import TrainConfig, eval_prompts, train
 
 log = logging.getLogger(__name__)
+MIN_TRAIN_S = 20.0
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -38,6 +40,8 @@ class JobOptions:
     export: str | None = None       # copy the best checkpoint (+ .json) here
     train_head: bool = False
     progress: bool = True
+    save_data: bool = True          # write generated data to the cache
+    deadline: float | None = None   # unix time by which training (not the final eval) ends
 
 
 def _fields(cls, mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,7 +85,12 @@ def run_job(target: LlamaLM, tokenizer, opts: JobOptions, head: nn.Module | None
     out = Path(opts.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     head = prepare_head(head, opts.train_head)
-    data = load_mix(target, tokenizer, opts.data, Path(opts.cache_dir), opts.source, opts.progress)
+    data = load_mix(target, tokenizer, opts.data, Path(opts.cache_dir), opts.source, opts.progress,
+                    opts.save_data)
+    if opts.deadline is not None:
+        budget = max(MIN_TRAIN_S, opts.deadline - time.time())
+        log.info("data ready; training budget %.0fs (deadline)", budget)
+        opts = dataclasses.replace(opts, train=dataclasses.replace(opts.train, time_budget_s=budget))
     evalset = eval_prompts(tokenizer, opts.train.eval_prompts)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     writer = RecordWriter(out / "train_records.jsonl")
@@ -89,7 +98,10 @@ def run_job(target: LlamaLM, tokenizer, opts: JobOptions, head: nn.Module | None
     prov.update(data={"key": data.meta.get("key"), "spec": data.meta.get("spec"),
                       "target": data.meta.get("target"), "n_sequences": len(data),
                       "n_tokens": data.n_tokens, "n_response_tokens": data.n_response_tokens,
-                      "train_prompt_ids": data.meta.get("prompt_ids")},
+                      "train_prompt_ids": data.meta.get("prompt_ids"),
+                      "synthetic_prompts": data.meta.get("synthetic") or None,
+                      "generation": [part.get("generation") for part in
+                                     data.meta.get("parts", [data.meta])]},
                 eval_prompt_ids=evalset.ids, train=dataclasses.asdict(opts.train))
     save_dt = SAVE_DTYPES[opts.save_dtype]
     saved_head = head if opts.train_head else None

@@ -11,6 +11,10 @@ plus one bucket for the rest of the vocabulary (the data stores the top-k log-pr
 drafter's full-vocabulary softmax through its head, so the KL is exact on that partition. The
 cross-entropy has a hand-written backward (softmax - target) that never materialises more than
 one [M, V] float32 buffer. The same code runs on CPU and CUDA (bf16 autocast on either).
+
+Throughput: the data is moved to the device once (:class:`Store`), a batch is built from
+host-known index tensors by gathers on the device, and the loop reads the device only every
+``log_every`` steps (fused AdamW and TF32 matmuls on CUDA).
 """
 from __future__ import annotations
 
@@ -90,6 +94,15 @@ class Batch:
     region: torch.Tensor     # [B, n] bool: positions that get the KL term
     top_ids: torch.Tensor | None = None    # [B, n, k] int64: target's top-k next tokens at s
     top_logp: torch.Tensor | None = None   # [B, n, k] float32: their log-probabilities
+    region_rows: torch.Tensor | None = None  # flat indices of ``region`` (built on the host)
+    valid_rows: torch.Tensor | None = None   # flat indices of ``valid``
+
+    def rows(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """``x[mask]`` for mask = region | valid, without a device-to-host sync when the flat
+        indices are known."""
+        flat = self.region_rows if which == "region" else self.valid_rows
+        mask = self.region if which == "region" else self.valid
+        return x[mask] if flat is None else x.flatten(0, 1).index_select(0, flat)
 
 
 @dataclass
@@ -119,7 +132,45 @@ def build_module(target: LlamaLM, cfg: TrainConfig) -> EagleModule:
 
 
 # ---------------------------------------------------------------------- batching
-def split_val(data: DistillData, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+@dataclass
+class Store:
+    """The data as the loop reads it: spans and lengths on the host, content on the device
+    (moved once, so a batch is a few gathers on the device and never a host copy). The content
+    tensors have one extra last row, the padding (token 0, zero feature, log-probs -1e4)."""
+
+    meta: dict[str, Any]
+    starts: list[int]
+    lengths: list[int]
+    n_prompt: list[int]
+    tokens: torch.Tensor        # [N + 1] int64
+    features: torch.Tensor      # [N + 1, d] float16 (float32 on a CPU)
+    top_ids: torch.Tensor       # [N + 1, k] int32
+    top_logp: torch.Tensor      # [N + 1, k] float32
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def length(self, i: int) -> int:
+        return self.lengths[i]
+
+
+def to_store(data: DistillData, device) -> Store:
+    """``data`` moved to ``device`` (no copy when it is already there)."""
+    offsets = data.offsets.tolist()
+    lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    def move(t: torch.Tensor, pad: float) -> torch.Tensor:
+        t = t.to(device)
+        return torch.cat([t, torch.full_like(t[:1], pad)])
+
+    cpu = torch.device(device).type == "cpu"  # float32 features there: no per-batch conversion
+    features = data.features.float() if cpu else data.features
+
+    return Store(data.meta, offsets[:-1], lengths, data.n_prompt.tolist(), move(data.tokens, 0),
+                 move(features, 0.0), move(data.top_ids, 0), move(data.top_logp, -1e4))
+
+
+def split_val(data: DistillData | Store, fraction: float, seed: int
+              ) -> tuple[list[int], list[int]]:
     """(train, val) sequence indices, split by prompt id so samples of a prompt stay together."""
     seqs = data.meta.get("sequences") or [{"prompt_id": str(i)} for i in range(len(data))]
     prompts = sorted({s["prompt_id"] for s in seqs})
@@ -128,11 +179,12 @@ def split_val(data: DistillData, fraction: float, seed: int) -> tuple[list[int],
     n_val = int(round(fraction * len(prompts))) if len(prompts) > 1 else 0
     val_ids = set(prompts[:n_val])
     val = [i for i, s in enumerate(seqs) if s["prompt_id"] in val_ids]
-    return [i for i in range(len(data)) if i not in set(val)], val
+    held = set(val)
+    return [i for i in range(len(data)) if i not in held], val
 
 
-def batches(data: DistillData, indices: Sequence[int], cfg: TrainConfig, rng: random.Random
-            ) -> list[list[int]]:
+def batches(data: DistillData | Store, indices: Sequence[int], cfg: TrainConfig,
+            rng: random.Random) -> list[list[int]]:
     """One epoch of batches: shuffled, then length-sorted within pools, ≤ batch_tokens padded."""
     order = list(indices)
     rng.shuffle(order)
@@ -153,27 +205,27 @@ def batches(data: DistillData, indices: Sequence[int], cfg: TrainConfig, rng: ra
     return out
 
 
-def collate(data: DistillData, idx: Sequence[int], cfg: TrainConfig, device) -> Batch:
-    spans = [data.span(i) for i in idx]
-    width = max(min(hi - lo, cfg.max_len) for lo, hi in spans)
-    b, d, k = len(idx), data.features.shape[1], data.top_ids.shape[1]
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    feats = torch.zeros(b, width, d)
-    top_ids = torch.zeros(b, width, k, dtype=torch.long)
-    top_logp = torch.full((b, width, k), -1e4)
-    lens = torch.tensor([min(hi - lo, cfg.max_len) for lo, hi in spans])
-    for r, (lo, _) in enumerate(spans):
-        hi = lo + int(lens[r])
-        tokens[r, :lens[r]] = data.tokens[lo:hi]
-        feats[r, :lens[r]] = data.features[lo:hi].float()
-        top_ids[r, :lens[r]] = data.top_ids[lo:hi].long()
-        top_logp[r, :lens[r]] = data.top_logp[lo:hi].float()
+def collate(data: Store, idx: Sequence[int], cfg: TrainConfig) -> Batch:
+    """A padded batch of sequences ``idx`` (cut to max_len): index tensors are built on the host
+    (lengths and prompt lengths are known there), the content is gathered on the device."""
+    lens = torch.tensor([min(data.lengths[i], cfg.max_len) for i in idx])
+    width = int(lens.max())
     pos = torch.arange(width)[None]
     valid = pos < lens[:, None]
-    prompt = data.n_prompt[list(idx)]
+    prompt = torch.tensor([data.n_prompt[i] for i in idx])
     region = valid & (pos >= prompt[:, None] - 1) if cfg.loss_on == "response" else valid
-    return Batch(tokens.to(device), feats.to(device), valid.to(device), region.to(device),
-                 top_ids.to(device), top_logp.to(device))
+    starts = torch.tensor([data.starts[i] for i in idx])
+    gather = torch.where(valid, starts[:, None] + pos, data.tokens.shape[0] - 1)  # last: padding
+    dev = data.tokens.device
+    send = lambda t: t.to(dev, non_blocking=True)
+    flat = send(gather.flatten())
+    take = lambda t: t.index_select(0, flat).view(*gather.shape, *t.shape[1:])
+    return Batch(
+        tokens=take(data.tokens), feats=take(data.features).float(),
+        valid=send(valid), region=send(region),
+        top_ids=take(data.top_ids).long(), top_logp=take(data.top_logp).float(),
+        region_rows=send(region.flatten().nonzero().squeeze(1)),
+        valid_rows=send(valid.flatten().nonzero().squeeze(1)))
 
 
 # ---------------------------------------------------------------------- forward + loss
@@ -293,31 +345,43 @@ def regression(out: torch.Tensor, feats: torch.Tensor, head: nn.Module, cfg: Tra
 
 
 def losses(outs: list[torch.Tensor], batch: Batch, head: nn.Module, target: LlamaLM,
-           cfg: TrainConfig, w_kl: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted loss over passes and its parts (kl_j, reg_j, acc_j = top-1 agreement).
+           cfg: TrainConfig, w_kl: float | None = None
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted loss over passes and its parts (kl_j, reg_j, acc_j = top-1 agreement) as
+    detached 0-d tensors: reading them (a device sync) is left to the caller.
 
     With ``w_kl == 0`` under autograd the head is skipped (acc_j then comes from 64 rows).
     """
     w_kl = cfg.w_kl if w_kl is None else w_kl
-    ids, logp = batch.top_ids[batch.region], batch.top_logp[batch.region]
+    ids, logp = batch.rows(batch.top_ids, "region"), batch.rows(batch.top_logp, "region")
     skip = w_kl == 0 and torch.is_grad_enabled()
     if skip:
         ids, logp = ids[:64], logp[:64]
     dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float32
-    entropy = entropy_parts(logp).mean().item()
+    entropy = entropy_parts(logp).mean().detach()
+    feats = batch.rows(batch.feats, "valid")
     total, stats, norm = 0.0, {}, 0.0
     for j, out in enumerate(outs):
-        rows = out[batch.region][:64].detach() if skip else out[batch.region]
+        rows = batch.rows(out, "region")
+        rows = rows[:64].detach() if skip else rows
         x, weight = head_factors(head, rows)
         ce, top1 = TailCrossEntropy.apply(x, weight, ids, logp, dtype)
         ce = ce.mean()
-        reg = regression(out[batch.valid], batch.feats[batch.valid], head, cfg)
+        reg = regression(batch.rows(out, "valid"), feats, head, cfg)
         w = cfg.unroll_decay ** j
         total = total + w * ((0.0 if skip else w_kl * ce) + cfg.w_reg * reg)
         norm += w
-        stats.update({f"kl_{j}": ce.item() - entropy, f"reg_{j}": reg.item(),
-                      f"acc_{j}": (top1 == ids[:, 0]).float().mean().item()})
+        stats.update({f"kl_{j}": ce.detach() - entropy, f"reg_{j}": reg.detach(),
+                      f"acc_{j}": (top1 == ids[:, 0]).float().mean()})
     return total / norm, stats
+
+
+def to_floats(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-d tensor stats (one device) as floats, with a single device-to-host read."""
+    if not stats:
+        return {}
+    keys = list(stats)
+    return dict(zip(keys, torch.stack([stats[k].detach().float().reshape(()) for k in keys]).tolist()))
 
 
 # ---------------------------------------------------------------------- evaluation
@@ -357,18 +421,18 @@ def greedy_tau(target: LlamaLM, module: EagleModule, head: nn.Module | None, eva
 
 
 @torch.no_grad()
-def validate(module: EagleModule, head: nn.Module, target: LlamaLM, data: DistillData,
+def validate(module: EagleModule, head: nn.Module, target: LlamaLM, data: Store,
              val: Sequence[int], cfg: TrainConfig, autocast: Callable) -> dict[str, float]:
     """Mean loss parts over the held-out sequences."""
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     groups = batches(data, val, cfg, random.Random(0))
     for idx in groups:
-        batch = collate(data, idx, cfg, target.device)
+        batch = collate(data, idx, cfg)
         with autocast():
             _, stats = losses(forward_passes(module, target, batch, cfg), batch, head, target, cfg)
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v / len(groups)
-    return sums
+    return to_floats(sums)
 
 
 # ---------------------------------------------------------------------- the loop
@@ -394,7 +458,8 @@ def lr_at(step: int, elapsed: float, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module | None = None,
+def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
+          head: nn.Module | None = None,
           evalset: EvalSet | None = None, eos: Sequence[int] = (),
           log_fn: Callable[[dict[str, Any], int], None] | None = None,
           on_best: Callable[[EagleModule, nn.Module | None, dict[str, Any]], None] | None = None,
@@ -403,16 +468,24 @@ def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module 
 
     ``head``: the drafter's head (default the target's frozen one); its trainable parameters
     are trained too. ``on_best(module, head, record)`` fires on every new best held-out τ.
+    The data is moved to the target's device once; the loop reads the device (a sync) only
+    every ``log_every`` steps and at evaluations.
     """
     torch.manual_seed(cfg.seed)
+    dev_type = torch.device(target.device).type
+    if dev_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    data = data if isinstance(data, Store) else to_store(data, target.device)
     module = build_module(target, cfg)
     head_module = head if head is not None else target.lm_head
     params = [p for p in module.parameters()] + [p for p in head_module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    fused = dev_type == "cuda" and all(p.dtype == torch.float32 and p.is_cuda for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=fused or None)
     train_idx, val_idx = split_val(data, cfg.val_fraction, cfg.seed)
     if not train_idx:
         raise FlashSpecError("no training sequences left after the validation split")
-    dev_type = torch.device(target.device).type
     autocast = lambda: torch.autocast(dev_type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     queue: list[list[int]] = []
@@ -452,7 +525,7 @@ def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module 
             evaluate(step)
         if not queue:
             queue = batches(data, train_idx, cfg, rng)
-        batch = collate(data, queue.pop(), cfg, target.device)
+        batch = collate(data, queue.pop(), cfg)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, elapsed, cfg)
         with autocast():
@@ -460,19 +533,22 @@ def train(target: LlamaLM, data: DistillData, cfg: TrainConfig, head: nn.Module 
             outs = forward_passes(module, target, batch, cfg, gen, depth)
             loss, stats = losses(outs, batch, head_module, target, cfg,
                                  cfg.w_kl if step >= cfg.kl_from_step else 0.0)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss at step {step}; lower the lr")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        stats.update(loss=loss.item(), grad_norm=float(gnorm), lr=opt.param_groups[0]["lr"])
-        for k, v in stats.items():
-            running[k] = 0.9 * running.get(k, v) + 0.1 * v
-        if log_fn is not None and step % cfg.log_every == 0:
-            log_fn({f"train/{k}": v for k, v in stats.items()}, step)
-        bar.set_postfix(loss=f"{running['loss']:.3f}", acc0=f"{running['acc_0']:.3f}")
         bar.update()
+        if step % cfg.log_every and step + 1 < cfg.steps:
+            continue
+        values = to_floats({**stats, "loss": loss.detach(), "grad_norm": gnorm})
+        if not math.isfinite(values["loss"]):
+            raise FloatingPointError(f"non-finite training loss at step {step}; lower the lr")
+        values["lr"] = opt.param_groups[0]["lr"]
+        for k, v in values.items():
+            running[k] = 0.5 * running.get(k, v) + 0.5 * v
+        if log_fn is not None:
+            log_fn({f"train/{k}": v for k, v in values.items()}, step)
+        bar.set_postfix(loss=f"{running['loss']:.3f}", acc0=f"{running['acc_0']:.3f}")
     else:
         step = cfg.steps
     bar.close()
