@@ -2,7 +2,8 @@
 # GPU fast path end to end on the lent H200 (no network, no hydra/datasets/wandb: hydra,
 # omegaconf and antlr4 travel as pure-Python copies in .whl/site, gguf as a wheel in .whl/;
 # the SmolLM2 GGUF travels in two halves, see README "GPU").
-#   bash scripts/device_decode_bench.sh part1      # copies .device/gguf/part00 to /dev/shm
+#   bash scripts/device_decode_bench.sh part1      # copies .device/gguf/part00 to /dev/shm and
+#                                                  # runs scripts/gpu_engine_check.py (graphs)
 #   bash scripts/device_decode_bench.sh            # joins part01; checks; decode runs
 # Everything lands in $OUT: logs and one tarball of the run directories (records, figures).
 set -o pipefail
@@ -14,29 +15,36 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
 GGUF=/dev/shm/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ "$MODE" = part1 ]; then cp .device/gguf/part00 /dev/shm/part00; exit 0; fi
-[ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
-md5sum $GGUF | tee "$OUT/env.log"
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$OUT/env.log"
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-# 1. engine checks on a random-weight SmolLM2 shape (fp32): greedy equality with/without graphs
-el "engine check"
-timeout 150 python3 scripts/gpu_engine_check.py --quick --new 40 2>&1 | tee "$OUT/engine_check.log"
-GRAPHS=true; [ "${PIPESTATUS[0]}" = 0 ] || { GRAPHS=false; el "engine check failed: graphs off"; }
-RUN="python3 run.py experiment=decode hardware=h200 hardware.cuda_graphs=$GRAPHS target.source=$GGUF
+if [ "$MODE" = part1 ]; then
+  cp .device/gguf/part00 /dev/shm/part00
+  nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.log"
+  # engine checks on a random-weight SmolLM2 shape (fp32): greedy equality with/without graphs
+  timeout 150 python3 scripts/gpu_engine_check.py --quick --new 40 2>&1 | tee "$OUT/engine_check.log"
+  echo "${PIPESTATUS[0]}" > /dev/shm/engine_check_rc
+  exit 0
+fi
+[ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
+md5sum $GGUF | tee "$OUT/env.log"
+GRAPHS=true BACKEND=triton
+if [ "$(cat /dev/shm/engine_check_rc 2>/dev/null)" != 0 ]; then
+  GRAPHS=false BACKEND=torch; el "engine check failed or missing: graphs off, torch verify"
+fi
+RUN="python3 run.py experiment=decode hardware=h200 hardware.cuda_graphs=$GRAPHS
+     hardware.verify_backend=$BACKEND target.source=$GGUF
      logger=disabled drafters=gpu_ngram bandit=ucb1_tps_gpu"
 ALL='experiment.methods=[ar,each_arm,spec,hf_generate,hf_compiled,hf_prompt_lookup]'
 runs() {
   # fp32 greedy: every speculative method must equal target-only AR token for token
-  el fp32; timeout 120 $RUN target.dtype=float32 dataset=humaneval dataset.n_prompts=6 \
+  el fp32; timeout 70 $RUN target.dtype=float32 dataset=humaneval dataset.n_prompts=4 \
       'experiment.methods=[ar,each_arm,spec]' output_dir=/tmp/runs/fp32_he
   python3 scripts/greedy_check.py /tmp/runs/fp32_he/records.jsonl
-  el he_b1; timeout 240 $RUN dataset=humaneval dataset.n_prompts=${N_HE:-8} "$ALL" output_dir=/tmp/runs/he_b1
+  el he_b1; timeout 200 $RUN dataset=humaneval dataset.n_prompts=${N_HE:-6} "$ALL" output_dir=/tmp/runs/he_b1
   python3 scripts/greedy_check.py /tmp/runs/he_b1/records.jsonl
-  el mt_b1; timeout 200 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-4} "$ALL" output_dir=/tmp/runs/mt_b1
+  el mt_b1; timeout 160 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-3} "$ALL" output_dir=/tmp/runs/mt_b1
   for b in 8 32; do
-    el he_b$b; timeout 90 $RUN dataset=humaneval dataset.n_prompts=$b experiment.batch_size=$b \
+    el he_b$b; timeout 50 $RUN dataset=humaneval dataset.n_prompts=$b experiment.batch_size=$b \
         'experiment.methods=[ar,each_arm,spec]' output_dir=/tmp/runs/he_b$b
   done
   el done
