@@ -248,3 +248,63 @@ def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="draft_logits"):
         tb.verify(x, torch.zeros(2, 2, dtype=torch.long), torch.randn(2, 2, 9),
                   SamplingParams(1.0), 0)
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_float_max_and_neg_inf_chunks(temp):
+    """Chunks that hold only -inf, and maxima equal to -FLT_MAX (the lanes' start value)."""
+    fmax = torch.finfo(torch.float32).max
+    x = torch.full((2, 3, 3000), float("-inf"))
+    x[0, :, 2100] = -fmax
+    x[0, :, 2500] = -fmax
+    x[0, 1, 7] = -fmax
+    x[1, :, 5] = 3.0
+    x[1, :, 2999] = 3.0
+    x[1, 2, 1500] = -fmax
+    drafts = torch.tensor([[2100, 2100], [5, 2999]], device=DEVICE)
+    x = x.to(DEVICE)
+    plan = tb.Plan(rows=1, chunk=1024, block=256, rchunk=512, rblock=256, warps=4, rwarps=4)
+    params = SamplingParams(temperature=temp)
+    assert_same(x, drafts, None, params, 4)
+    ref = reference.verify(x, drafts, None, params, 4)
+    got = tb.launch(x, drafts, None, params, 4, geometry=plan)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+def test_race_bound_covers_keys():
+    """The cheap bound that lets pass 2 skip tiles is >= the precise key log p - log(-log u)
+    (which is >= the residual key) for u over the whole hash range and log p near 0..-1e4."""
+    @triton.jit
+    def kern(lp_ptr, u_ptr, out, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out + i, K._race_bound(tl.load(lp_ptr + i), tl.load(u_ptr + i)))
+
+    n = 4096
+    gen = torch.Generator().manual_seed(0)
+    k = torch.cat([torch.arange(64), (1 << 23) - 1 - torch.arange(64),
+                   torch.randint(0, 1 << 23, (n - 128,), generator=gen)])
+    u = rng.to_unit(k << 9)
+    lp = torch.cat([torch.zeros(8), -torch.rand(n - 16, generator=gen) * 30.0,
+                    -torch.rand(8, generator=gen) * 1e4])
+    lp = lp[torch.randperm(n, generator=gen)]
+    bound = torch.empty(n)
+    kern[(1,)](lp.to(DEVICE), u.to(DEVICE), bound_dev := bound.to(DEVICE), N=n)
+    key = lp - torch.log(-torch.log(u))
+    assert (bound_dev.cpu() >= key).all()
+    near_one = u > 0.99                                  # high keys: the bound is tight
+    assert ((bound_dev.cpu() - key)[near_one] < 0.01 + 1e-5 * lp.abs()[near_one]).all()
+
+
+@pytest.mark.parametrize("full_q", [True, False])
+def test_race_tile_skipping_many_tiles(full_q):
+    """Pass 2 with 40 tiles per program (most skipped) agrees with the reference."""
+    gen = torch.Generator().manual_seed(21)
+    plan = tb.Plan(rows=1, chunk=2048, block=512, rchunk=5120, rblock=128, warps=4, rwarps=4)
+    for temp in (1.0, 0.5):
+        x, drafts, q = make_case(gen, 10, 3, 5000, temp, full_q, torch.bfloat16, 3.0, 0.05,
+                                 False)
+        for seed in (0, 1):
+            params = SamplingParams(temperature=temp)
+            ref = reference.verify(x, drafts, q, params, seed)
+            got = tb.launch(x, drafts, q, params, seed, geometry=plan)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])

@@ -98,8 +98,10 @@ def _bucket(n: int) -> int:
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
     """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM (each program
-    streams its p and q tiles with one 16-byte load per lane per tile), fused merges only at
-    small batch. Interpreter: few, big programs."""
+    streams its p and q tiles with one 16-byte load per lane per tile); pass-2 chunks as large
+    as still give 2 programs per SM, in 512-element tiles (more tiles per program, more tiles
+    whose precise race keys are skipped); fused merges only at small batch. Interpreter: few,
+    big programs."""
     if interpret:
         block = min(_next_pow2(vocab), 32768)
         rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
@@ -111,11 +113,11 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
             chunk = c
             break
     rchunk = 512
-    for c in (2048, 1024):
+    for c in (8192, 4096, 2048, 1024):
         if batch * math.ceil(vocab / c) >= 2 * n_sm:
             rchunk = c
             break
-    return Plan(1, chunk, 1024, rchunk, min(rchunk, 1024), 4, 4,
+    return Plan(1, chunk, 1024, rchunk, min(rchunk, 512), 4, 4,
                 fused=batch <= FUSE_MAX_BATCH)
 
 

@@ -159,28 +159,29 @@ def _lane_update(x, offs, m, s, am, c2, WITH_IDX: tl.constexpr):
     """Per-lane online max / sum of exp((x - max) / T) / first argmax: one exp2 per element.
 
     Exactly one of (x - m_new) and (m - m_new) is 0, so exp2(-|x - m| / T) is the only factor
-    needed. -inf adds nothing; NaN makes the lane sum NaN; +inf makes the max +inf.
+    needed. Lanes start at m = -FLT_MAX (not -inf), so x = -inf gives exp2(-inf) = 0 with no
+    select; a lane that only saw -inf keeps s = 0. NaN makes the lane sum NaN; +inf makes the
+    max +inf.
     """
     gt = x > m
+    if WITH_IDX:                  # s == 0: nothing seen yet (x = -FLT_MAX does not pass gt)
+        am = tl.where(gt | (s == 0.0), offs, am)
     e = tl.exp2(-tl.abs((x - m) * c2))
-    e = tl.where(x == NEG_INF, 0.0, e)
     s = tl.where(gt, s * e + 1.0, s + e)
-    if WITH_IDX:
-        am = tl.where(gt, offs, am)
     return tl.maximum(m, x), s, am
 
 
 @triton.jit
 def _lane_reduce(m, s, am, c2, WITH_IDX: tl.constexpr):
-    """Merge per-lane (max, sum, argmax) into one per row (first argmax on ties)."""
+    """Merge per-lane (max, sum, argmax) into one per row (first argmax on ties, among lanes
+    that saw a value: s > 0); a row whose sum is 0 saw only -inf and gets max -inf."""
     M = tl.max(m, 1)
-    Ms = tl.where(M == NEG_INF, 0.0, M)
-    S = tl.sum(s * tl.exp2((m - Ms[:, None]) * c2), 1)
+    S = tl.sum(s * tl.exp2((m - M[:, None]) * c2), 1)
     if WITH_IDX:
-        am = tl.min(tl.where(m == M[:, None], am, BIG_IDX), 1)
+        am = tl.min(tl.where((m == M[:, None]) & (s > 0.0), am, BIG_IDX), 1)
     else:
         am = tl.zeros_like(M).to(tl.int32)
-    return M, S, am
+    return tl.where(S == 0.0, NEG_INF, M), S, am
 
 
 @triton.jit
@@ -199,7 +200,7 @@ def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
                  HAS_Q: tl.constexpr, TOPK: tl.constexpr):
     """Stats of one chunk of p (max, sum, argmax) and q (max, sum): both tiles are loaded
     before any arithmetic, lanes keep running stats over the tiles, one reduction at the end."""
-    m_p = tl.full([ROWS, BLOCK], NEG_INF, tl.float32)
+    m_p = tl.full([ROWS, BLOCK], -FLT_MAX, tl.float32)
     s_p = tl.zeros([ROWS, BLOCK], tl.float32)
     i_p = tl.zeros([ROWS, BLOCK], tl.int32)
     m_q = m_p
@@ -460,15 +461,33 @@ def _scaled(x, scale, UNIT: tl.constexpr):
 
 
 @triton.jit
-def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp, thq,
-               key, HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    """Race keys of one tile: (log max(0, p - q) or log p) - log E, and log p - log E."""
+def _race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
+    """log p of one tile, exactly as the keys use it."""
     x = tl.load(tgt_rows[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
     z = _scaled(x, scale, UNIT)
     if TOPK:
         z = tl.where(z < thp[:, None], NEG_INF, z)
-    logp = (z - Mp[:, None]) - lSp[:, None]
+    return (z - Mp[:, None]) - lSp[:, None]
+
+
+@triton.jit
+def _race_bound(logp, u):
+    """Upper bound of both race keys (log w - log E <= log p - log E) with cheap math.
+
+    E = -log u >= t = 1 - u (exact in float32 for these u), so log E >= log t; log t comes
+    from the fast log2 and the margin (1e-3 + 1e-5 |log p|) covers its error, libdevice's
+    rounding of log E and the final subtractions many times over. log p = -inf gives -inf.
+    """
+    t = 1.0 - u
+    margin = 1e-3 + 1e-5 * tl.minimum(tl.abs(logp), 1e30)        # finite: -inf stays -inf
+    return (logp - 0.6931471805599453 * tl.log2(t)) + margin
+
+
+@triton.jit
+def _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
+               HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Race keys of one tile: (log max(0, p - q) or log p) - log E, and log p - log E."""
     if HAS_Q:
         y = tl.load(drf_rows[:, None] + offs[None, :], mask=msk & is_res[:, None],
                     other=NEG_INF).to(tl.float32)
@@ -482,7 +501,6 @@ def _race_tile(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, 
     res = logp + _log1p(-_exp(tl.minimum(gap, 0.0), INTERPRET), INTERPRET)
     res = tl.where(gap < 0.0, res, NEG_INF)
     logw = tl.where(is_res[:, None], res, logp)
-    u = _uniform(key[:, None], offs[None, :], INTERPRET)
     lg = _log(-_log(u, INTERPRET), INTERPRET)
     return logw - lg, logp - lg
 
@@ -492,18 +510,28 @@ def _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq,
                 c, V, ROWS: tl.constexpr, RCHUNK: tl.constexpr, RBLOCK: tl.constexpr,
                 HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
                 INTERPRET: tl.constexpr):
-    """Best race key and its first index over one chunk (residual keys, and p's fallback)."""
+    """Best race key and its first index over one chunk (residual keys, and p's fallback).
+
+    A tile whose key bound (``_race_bound``) stays below the best residual key so far cannot
+    change either running argmax (keys equal to the best do not replace it), so its precise
+    keys (libdevice log, exp, log1p; the draft tile) are skipped.
+    """
     best = tl.full([ROWS], NEG_INF, tl.float32)
     fb = tl.full([ROWS], NEG_INF, tl.float32)
     bidx = tl.zeros([ROWS], tl.int32)
     fidx = tl.zeros([ROWS], tl.int32)
-    for t in tl.static_range(0, RCHUNK, RBLOCK):
+    xt = xtok.to(tl.int32)
+    for t in range(0, RCHUNK, RBLOCK):
         offs = c * RCHUNK + t + tl.arange(0, RBLOCK)
         msk = need[:, None] & (offs < V)[None, :]
-        k1, k2 = _race_tile(tgt_rows, drf_rows, xtok.to(tl.int32), offs, msk, is_res, scale,
-                            Mp, lSp, Mq, lSq, thp, thq, key, HAS_Q, TOPK, UNIT, INTERPRET)
-        best, bidx = _best(best, bidx, k1, c * RCHUNK + t)
-        fb, fidx = _best(fb, fidx, k2, c * RCHUNK + t)
+        logp = _race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK, UNIT)
+        u = _uniform(key[:, None], offs[None, :], INTERPRET)
+        bound = tl.max(_race_bound(logp, u), 1)
+        if tl.max((bound >= best).to(tl.int32), 0) > 0:
+            k1, k2 = _race_keys(logp, drf_rows, xt, offs, msk, is_res, scale, Mq, lSq, thq, u,
+                                HAS_Q, TOPK, UNIT, INTERPRET)
+            best, bidx = _best(best, bidx, k1, c * RCHUNK + t)
+            fb, fidx = _best(fb, fidx, k2, c * RCHUNK + t)
     return best, bidx, fb, fidx
 
 
