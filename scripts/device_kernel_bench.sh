@@ -29,12 +29,12 @@ SHAPE_ARG="shapes=$SHAPES"
 
 # 1. compile every kernel variant of every shape in parallel (Triton's disk cache; the probe's
 #    shapes are among the bench's), 2. direct-launch probe, 3. bench, 4. GPU tests.
-timeout "${PRECOMPILE_TIMEOUT:-70}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
+timeout "${PRECOMPILE_TIMEOUT:-60}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
   --precompile "${PRECOMPILE:-8}" --precompile-only --set "$SHAPE_ARG" 2>&1 | tail -5 | tee -a "$OUT/env.log"
 echo "precompiled after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
 case "${DIRECT:-auto}" in
   auto)
-    if FLASHSPEC_DIRECT_LAUNCH=1 timeout "${PROBE_TIMEOUT:-40}" python3 -m experiments.kernel_bench \
+    if FLASHSPEC_DIRECT_LAUNCH=1 timeout "${PROBE_TIMEOUT:-35}" python3 -m experiments.kernel_bench \
         --out "$OUT" --probe-direct > "$OUT/probe.log" 2>&1; then
       export FLASHSPEC_DIRECT_LAUNCH=1
     fi ;;
@@ -43,12 +43,12 @@ esac
 echo "FLASHSPEC_DIRECT_LAUNCH=${FLASHSPEC_DIRECT_LAUNCH:-0} after $(( $(date +%s) - T0 )) s" \
   | tee -a "$OUT/env.log"
 
-timeout "${BENCH_TIMEOUT:-110}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
+timeout "${BENCH_TIMEOUT:-125}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
   --commit "${COMMIT:-unknown}" --set compile_ref=false "$SHAPE_ARG" ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/bench.log"
 echo "bench done after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
 
-TRITON_INTERPRET=0 FLASHSPEC_TRITON_EXAMPLES="${EXAMPLES:-6}" timeout "${TEST_TIMEOUT:-70}" \
+TRITON_INTERPRET=0 FLASHSPEC_TRITON_EXAMPLES="${EXAMPLES:-6}" timeout "${TEST_TIMEOUT:-65}" \
   python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider -k "${TESTS_K:-}" tests/test_triton_verify.py \
   2>&1 | tail -40 | tee "$OUT/pytest.log"
 echo "all done after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
