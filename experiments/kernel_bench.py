@@ -190,7 +190,7 @@ def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
     rec: dict[str, Any] = {"B": batch, "gamma": gamma, "V": vocab, "dtype": knobs["dtype"],
                            "draft": draft, "temperature": params.temperature, "n_buffers": n_buf,
                            "bytes_min": need, "device": str(device),
-                           "fused": plan.fused if plan.fused is not None else tb.FUSED,
+                           "fused": tb._resolve_fused(None, plan),
                            "direct_launch": tb.DIRECT_LAUNCH, "interpreted": tb.INTERPRET}
     seeds = list(knobs["check_seeds"])
     bad = compare(tb.verify, buffers[0], params, seeds, "default")

@@ -45,7 +45,9 @@ FUSE_TOPK_ON_CUDA = False
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOGGED: set[str] = set()
 INTERPRET = type(K.stats_kernel).__name__ == "InterpretedFunction"
-FUSED = True            # last-program-per-row-group merge (atomic counters) vs separate kernels
+# Last-program-per-row-group merges (atomic counters) vs separate decide/finish kernels:
+# None lets the plan choose (fused up to FUSE_MAX_BATCH rows; fused in the interpreter).
+FUSED: bool | None = None
 FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
 # Launch the cached compiled kernels directly (CompiledKernel[grid](...)), skipping Triton's
 # argument binder on every call after the first of a shape. Opt-in: it relies on Triton's
@@ -64,7 +66,7 @@ class Plan:
     rblock: int
     warps: int
     rwarps: int
-    fused: bool | None = None   # None: the module default FUSED
+    fused: bool | None = None   # merge choice of this plan (FUSED or the call override it)
 
 
 @dataclass
@@ -192,6 +194,14 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     return out, nacc
 
 
+def _resolve_fused(fused: bool | None, p: Plan) -> bool:
+    """The call's choice, else the module's FUSED, else the plan's, else fused."""
+    for choice in (fused, FUSED, p.fused):
+        if choice is not None:
+            return choice
+    return True
+
+
 def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     """x [B, L, V] with unit inner strides (batch stride free); copies only when needed."""
     if x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1):
@@ -297,7 +307,7 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     slot = _SLOTS.get(key)
     if slot is None:
         p = geometry or plan(batch, gamma, vocab)
-        fused = (FUSED if p.fused is None else p.fused) if fused is None else fused
+        fused = _resolve_fused(fused, p)
         flags = dict(HAS_Q=has_q, TOPK=top_k > 0, ROW_TEMP=temperature is not None)
         slot = _slot(key, p, fused, batch, gamma, vocab, top_k, flags, device)
     if top_k:
