@@ -324,8 +324,8 @@ def _row(r: dict) -> str:
             f"(fused {f('kernel_graph_fused_us')} unfused {f('kernel_graph_unfused_us')}) µs | "
             f"x{f('speedup_eager', 6)} graph x{f('graph_speedup_eager', 6)} | floor "
             f"{f('floor_us', 6)} µs ratio {f('floor_ratio', 5, 2)} graph "
-            f"{f('graph_floor_ratio', 5, 2)} | same={r['identical']} graph_same={r['graph_identical']} "
-            f"nosync={r['no_host_sync']} fused={r['fused']} direct={r.get('direct_launch')}")
+            f"{f('graph_floor_ratio', 5, 2)} | same={r['identical']} "
+            f"graph_same={r['graph_identical']} nosync={r['no_host_sync']} fused={r['fused']} direct={r.get('direct_launch')}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -293,7 +293,7 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     tok = draft_tokens if draft_tokens.is_contiguous() else draft_tokens.contiguous()
     temp_ptr, temp = tgt, float(params.temperature)
     if temperature is not None:
-        temp_ptr = temperature.reshape(batch)
+        temp_ptr = temperature.reshape(batch).contiguous()
         if temp_ptr.device != device:
             temp_ptr = temp_ptr.to(device)
     seed_ptr, seed_i, seed_mode = _seed_args(seed, device)
