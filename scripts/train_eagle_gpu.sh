@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Regenerate the SmolLM2 EAGLE drafter (checkpoints/smollm2_eagle_lr72.safetensors: rank-72
 # low-rank head trained with it) on one GPU, within DEADLINE seconds:
-#   1. data: the target writes its own chat requests (selfchat, MT-Bench's
-#      8 categories) and GSM8K-style word problems (selfmath), then answers them and every
-#      train-split prompt (HumanEval, GSM8K, MT-Bench): a greedy part (GEN_A seconds) and a T=0.7
-#      part (two samples per self-written prompt, more of the real ones; GEN_B seconds), each
-#      stopped by its budget (jobs are shuffled, so a cut keeps the mixture balanced);
+#   1. data: the target writes its own chat requests (selfchat, MT-Bench's 8 categories),
+#      GSM8K-style word problems (selfmath) and HumanEval-style function stubs (selfcode), then
+#      answers them and every train-split prompt (HumanEval, GSM8K, MT-Bench): a greedy part
+#      (GEN_A seconds, writing the prompts included) and a T=0.7 part (two samples per
+#      self-written prompt, 16 per HumanEval/MT-Bench prompt, 3 per GSM8K one; GEN_B seconds),
+#      each stopped by its budget (jobs are shuffled, so a cut keeps the mixture balanced);
 #   2. training, in the same process, until DEADLINE - RESERVE (data resident on the GPU, never
 #      written to disk). TRAIN_FULL=1 also trains the full-head drafter side by side: the data
 #      is then generated once by a --data-only process and cached, and each trainer gets about
@@ -27,6 +28,7 @@ RESERVE=${RESERVE:-30}         # final evaluation + checkpoint writing after the
 GEN_BATCH=${GEN_BATCH:-1024}
 N_CHAT=${N_CHAT:-8000}         # self-written chat prompts
 N_MATH=${N_MATH:-2000}         # self-written word problems
+N_CODE=${N_CODE:-1500}         # self-written function stubs (HumanEval format)
 TRAIN_FULL=${TRAIN_FULL:-0}
 GEN_GRAPHS=${GEN_GRAPHS:-false}  # true: generation steps as CUDA graphs (SpecEngine graphs=True)
 DEVICE=${DEVICE:-cuda}         # DEVICE=cpu with tiny settings: a smoke test of the whole path
@@ -53,12 +55,12 @@ esac
 if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 fi
-SETS="\"humaneval\": None, \"gsm8k\": None, \"mtbench\": None, \"selfchat\": $N_CHAT, \"selfmath\": $N_MATH"
+SETS="\"humaneval\": None, \"gsm8k\": None, \"mtbench\": None, \"selfchat\": $N_CHAT, \"selfmath\": $N_MATH, \"selfcode\": $N_CODE"
 DATA=(--source $SOURCE --device $DEVICE --cache-dir $CACHE --gen-batch $GEN_BATCH
       --mix "[{\"temperature\": 0.0, \"time_budget_s\": $GEN_A},
               {\"temperature\": 0.7, \"time_budget_s\": $GEN_B,
-               \"samples\": {\"humaneval\": 8, \"gsm8k\": 3, \"mtbench\": 8, \"selfchat\": 2, \"selfmath\": 2}}]")
-DSETS=("data.datasets={$SETS}" 'data.samples={"humaneval": 1, "gsm8k": 1, "mtbench": 1, "selfchat": 1, "selfmath": 1}'
+               \"samples\": {\"humaneval\": 16, \"gsm8k\": 3, \"mtbench\": 16, \"selfchat\": 2, \"selfmath\": 2, \"selfcode\": 2}}]")
+DSETS=("data.datasets={$SETS}" 'data.samples={"humaneval": 1, "gsm8k": 1, "mtbench": 1, "selfchat": 1, "selfmath": 1, "selfcode": 1}'
        data.max_new_tokens=$MAX_NEW data.engine_graphs=$GEN_GRAPHS)
 TRAIN=(--steps 100000 --batch-tokens $BATCH_TOKENS --lr 2.5e-3)
 TSETS=(train.warmup=150 train.max_len=768 train.eval_every=500 train.eval_prompts=$EVAL_PROMPTS

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from flashspec.data import GSM8K_INSTRUCTION, split_ids
+from flashspec.data import GSM8K_INSTRUCTION, format_humaneval, split_ids
 from flashspec.training import prompts as synth
 from flashspec.training.data import DataSpec, DistillData, FORMAT, job_groups, train_prompts
 from flashspec.training.train import TrainConfig, collate, to_store
@@ -24,6 +24,9 @@ def test_clean_cuts_at_the_next_entry_and_rejects_unfinished():
     assert synth.clean("a request that never ends and keeps going") is None
     assert synth.clean("Too short.\n\n") is None
     assert synth.clean(None) is None
+    stub = 'def f(x: int) -> int:\n    """ Double x.\n\n    >>> f(2)\n    4\n    """'
+    assert synth.clean(stub + "\n\nTopic: z", code=True) == stub
+    assert synth.clean("def f(x):\n    return x * 2 + 1\nTopic: z", code=True) is None
 
 
 def test_seeds_are_category_balanced_few_shot_lists():
@@ -34,6 +37,8 @@ def test_seeds_are_category_balanced_few_shot_lists():
         assert all(synth.EXAMPLES[d.category][j][1] in d.text for j in d.shots)
     math = synth.seeds("selfmath", 3, random.Random(0))
     assert all(d.text.endswith("\nProblem:") and d.category == "math" for d in math)
+    code = synth.seeds("selfcode", 2, random.Random(0))
+    assert all(d.text.endswith("\nFunction:\n") and "def " in d.text for d in code)
     with pytest.raises(Exception, match="unknown synthetic"):
         synth.seeds("nope", 1, random.Random(0))
 
@@ -44,7 +49,7 @@ def test_synth_prompts_filters_records_and_caches(monkeypatch, tmp_path):
               "Write a limerick about a sleepy dog!\n\n", example + "\n\n",
               "How do tides depend on the moon and the sun?\n\n"] * 3
 
-    def fake(target, tokenizer, texts, seed, batch_size, progress=True):
+    def fake(target, tokenizer, texts, seed, batch_size, progress=True, max_new_tokens=80):
         return canned[:len(texts)]
 
     monkeypatch.setattr(synth, "write_requests", fake)
@@ -59,6 +64,10 @@ def test_synth_prompts_filters_records_and_caches(monkeypatch, tmp_path):
     monkeypatch.setattr(synth, "write_requests", fake)
     math, _ = synth.synth_prompts(None, None, "selfmath", 1, 0, 8, None, "t")
     assert math[0].turns == [f"{GSM8K_INSTRUCTION}\n\nWrite a limerick about a sleepy dog."]
+    canned = ['def half(n: int) -> int:\n    """ Half of n.\n    >>> half(4)\n    2\n    """\nTopic: x']
+    code, _ = synth.synth_prompts(None, None, "selfcode", 1, 0, 8, None, "t")
+    assert code[0].turns == [format_humaneval(canned[0].removesuffix("\nTopic: x"))]
+    assert code[0].domain == "code"
 
 
 def test_train_prompts_mix_real_and_synthetic():

@@ -6,7 +6,9 @@ few-shot list ("Topic: ... / Request: ...", two hand-written examples of the cat
 T = 1, top-p 0.95) with a request about the new topic; about half of the kept requests get a
 generic, category-specific follow-up as a second user turn (MT-Bench style). ``selfmath``: a
 grade-school word problem written the same way, wrapped in the GSM8K instruction
-(``flashspec.data.format_gsm8k``), the eval prompts' exact format.
+(``flashspec.data.format_gsm8k``), the eval prompts' exact format. ``selfcode``: a Python
+signature with a docstring and doctests, in the HumanEval prompt format
+(``flashspec.data.format_humaneval``).
 
 Kept texts are cleaned, deduplicated and checked against every prompt of the real prompt sets
 (both splits) and the shown examples: none can equal an eval prompt. The prompts (category,
@@ -28,14 +30,14 @@ from typing import Any, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from flashspec.data import DATASETS, Prompt, all_prompts, format_gsm8k
+from flashspec.data import DATASETS, Prompt, all_prompts, format_gsm8k, format_humaneval
 from flashspec.errors import FlashSpecError
 
 log = logging.getLogger(__name__)
-SYNTH_DATASETS = ("selfchat", "selfmath")
+SYNTH_DATASETS = ("selfchat", "selfmath", "selfcode")
 VERSION = "flashspec-synth-v1"
 OVERSAMPLE = 1.3                   # requests written per prompt wanted (some are filtered out)
-REQUEST_TOKENS = 80
+REQUEST_TOKENS = {"selfchat": 80, "selfmath": 80, "selfcode": 128}
 REQUEST_SAMPLING = (1.0, 0, 0.95)  # temperature, top_k, top_p of the request writer
 FOLLOWUP_FRACTION = 0.5
 
@@ -158,6 +160,19 @@ MATH_TOPICS = ["shopping at a market", "baking cookies", "a road trip", "farm an
                "running laps", "a fish tank", "a toy factory", "a movie theater", "buying fruit",
                "a hiking trip", "a classroom", "a charity sale", "a car wash", "knitting scarves"]
 STOPS = ("\n\n", "\nTopic:")  # the end of the written request in the few-shot list
+CODE_EXAMPLES = [
+    ("strings", 'def count_vowels(text: str) -> int:\n    """ Return how many vowels (a, e, i, o, u) '
+                'the text contains.\n    >>> count_vowels(\'banana\')\n    3\n    """'),
+    ("lists", 'from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n'
+              '    """ Return the largest value seen so far at every position of the list.\n'
+              '    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """'),
+    ("dates", 'def is_leap_year(year: int) -> bool:\n    """ Return True if the year is a leap year '
+              'in the Gregorian calendar.\n    >>> is_leap_year(2024)\n    True\n    """')]
+CODE_TOPICS = ["strings", "lists", "dictionaries", "prime numbers", "sorting", "matrices",
+               "recursion", "searching", "sets", "text parsing", "geometry", "bit manipulation",
+               "counting", "intervals", "stacks", "number sequences", "dates", "palindromes",
+               "digits of numbers", "words in a sentence", "grades", "shopping carts", "binary strings",
+               "anagrams"]
 
 
 @dataclass(frozen=True)
@@ -171,9 +186,11 @@ class Seed_:
 
 
 def fewshot(header: str, field_name: str, shots: Sequence[tuple[str, str]], topic: str) -> str:
-    """A "Topic: / <field>:" list of examples ending with the new topic's open field."""
-    body = "".join(f"Topic: {t}\n{field_name}: {r}\n\n" for t, r in shots)
-    return f"{header}\n\n{body}Topic: {topic}\n{field_name}:"
+    """A "Topic: / <field>:" list of examples ending with the new topic's open field (code
+    starts on the next line)."""
+    sep = "\n" if field_name == "Function" else " "
+    body = "".join(f"Topic: {t}\n{field_name}:{sep}{r}\n\n" for t, r in shots)
+    return f"{header}\n\n{body}Topic: {topic}\n{field_name}:{sep.strip(' ')}"
 
 
 def seeds(name: str, count: int, rng: random.Random) -> list[Seed_]:
@@ -188,6 +205,9 @@ def seeds(name: str, count: int, rng: random.Random) -> list[Seed_]:
         elif name == "selfmath":
             cat, topic, examples = "math", rng.choice(MATH_TOPICS), MATH_EXAMPLES
             header, field_name = "Grade-school math word problems:", "Problem"
+        elif name == "selfcode":
+            cat, topic, examples = "code", rng.choice(CODE_TOPICS), CODE_EXAMPLES
+            header, field_name = "Python functions to implement (signature and docstring):", "Function"
         else:
             raise FlashSpecError(f"unknown synthetic prompt set {name!r}; choose {SYNTH_DATASETS}")
         shots = tuple(rng.sample(range(len(examples)), 2))
@@ -196,11 +216,13 @@ def seeds(name: str, count: int, rng: random.Random) -> list[Seed_]:
     return out
 
 
-def clean(text: str | None) -> str | None:
+def clean(text: str | None, code: bool = False) -> str | None:
     """The request in a generated continuation (up to the next list entry), or None when it
-    never ended or is too short/long to be one."""
+    never ended or is too short/long to be one (code: up to the docstring's close)."""
     if text is None:
         return None
+    if code:
+        return clean_stub(text)
     cut = min((i for i in (text.find(stop) for stop in STOPS) if i >= 0), default=-1)
     if cut < 0:
         return None
@@ -208,6 +230,19 @@ def clean(text: str | None) -> str | None:
     if len(text) < 20 or len(text) > 1200 or len(text.split()) < 4:
         return None
     return text
+
+
+def clean_stub(text: str) -> str | None:
+    """A ``def`` line with its docstring (and what came before it, e.g. imports), or None."""
+    start = text.find("def ")
+    opened = text.find('"""', start) if start >= 0 else -1
+    closed = text.find('"""', opened + 3) if opened >= 0 else -1
+    if closed < 0:
+        return None
+    stub = text[:closed + 3].strip("\n").rstrip()
+    if "Topic:" in stub or len(stub) < 30 or len(stub) > 1500:
+        return None
+    return stub
 
 
 def normalise(text: str) -> str:
@@ -220,36 +255,42 @@ def real_texts() -> set[str]:
     for name in DATASETS:
         for p in all_prompts(name):
             out.update(normalise(t) for t in p.turns)
-            if p.meta.get("question"):
-                out.add(normalise(str(p.meta["question"])))
+            for key in ("question", "code"):
+                if p.meta.get(key):
+                    out.add(normalise(str(p.meta[key])))
     return out
 
 
 def cache_key(name: str, n: int, seed: int, target: str) -> str:
     blob = json.dumps({"name": name, "n": n, "seed": seed, "target": target, "version": VERSION,
-                       "sampling": REQUEST_SAMPLING, "tokens": REQUEST_TOKENS,
+                       "sampling": REQUEST_SAMPLING, "tokens": REQUEST_TOKENS[name],
                        "followup": FOLLOWUP_FRACTION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def to_prompt(name: str, index: int, seed: int, s: Seed_, request: str, rng: random.Random
               ) -> Prompt:
-    """A Prompt for one kept request (selfmath: GSM8K-formatted; selfchat: maybe 2 turns)."""
+    """A Prompt for one kept request (selfmath: GSM8K-formatted; selfcode: HumanEval-formatted;
+    selfchat: maybe 2 turns)."""
     if name == "selfmath":
         turns = [format_gsm8k(request)]
+    elif name == "selfcode":
+        turns = [format_humaneval(request)]
     else:
         turns = [request]
         if rng.random() < FOLLOWUP_FRACTION:
             turns.append(rng.choice(FOLLOWUPS[s.category]))
-    return Prompt(id=f"{name}/{seed}-{index}", dataset=name, domain="math" if name == "selfmath"
-                  else "chat", category=s.category, turns=turns,
+    domain = {"selfmath": "math", "selfcode": "code"}.get(name, "chat")
+    return Prompt(id=f"{name}/{seed}-{index}", dataset=name, domain=domain, category=s.category,
+                  turns=turns,
                   meta={"topic": s.topic, "shots": list(s.shots), "request": request})
 
 
 @torch.inference_mode()
 def write_requests(target, tokenizer, texts: Sequence[str], seed: int, batch_size: int,
-                   progress: bool = True) -> list[str]:
-    """The target's raw continuation of each few-shot text (no chat template)."""
+                   progress: bool = True, max_new_tokens: int = 80) -> list[str]:
+    """The target's raw continuation of each few-shot text (no chat template); one that ends
+    in EOS gets the list's next-entry marker, so it counts as finished."""
     from flashspec.engine import Arm, SpecEngine
     from flashspec.verify.sampling import SamplingParams
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
@@ -259,10 +300,11 @@ def write_requests(target, tokenizer, texts: Sequence[str], seed: int, batch_siz
     out: list[str] = []
     bar = tqdm(total=len(ids), desc="write prompts", unit="seq", disable=not progress)
     for lo in range(0, len(ids), batch_size):
-        rows = engine.generate(ids[lo:lo + batch_size], REQUEST_TOKENS).rows
-        out.extend(tokenizer.decode(row.tokens, skip_special_tokens=True) + "\n\n"
-                   if row.tokens and row.tokens[-1] in eos else
-                   tokenizer.decode(row.tokens, skip_special_tokens=True) for row in rows)
+        rows = engine.generate(ids[lo:lo + batch_size], max_new_tokens).rows
+        for row in rows:
+            ended = bool(row.tokens) and row.tokens[-1] in eos
+            text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+            out.append(text + "\nTopic:" if ended else text)
         bar.update(len(rows))
     bar.close()
     return out
@@ -282,12 +324,14 @@ def synth_prompts(target, tokenizer, name: str, n: int, seed: int, batch_size: i
     t0 = time.perf_counter()
     rng = random.Random(f"{VERSION}:{name}:{seed}")
     draws = seeds(name, max(n, int(n * OVERSAMPLE) + 8), rng)
-    texts = write_requests(target, tokenizer, [s.text for s in draws], seed, batch_size, progress)
+    texts = write_requests(target, tokenizer, [s.text for s in draws], seed, batch_size, progress,
+                           REQUEST_TOKENS[name])
     banned, seen, prompts = real_texts(), set(), []
     rejected = {"unusable": 0, "duplicate": 0, "copy": 0}
-    shown = {normalise(r) for ex in [*EXAMPLES.values(), MATH_EXAMPLES] for _, r in ex}
+    shown = {normalise(r) for ex in [*EXAMPLES.values(), MATH_EXAMPLES, CODE_EXAMPLES]
+             for _, r in ex}
     for s, text in zip(draws, texts):
-        request = clean(text)
+        request = clean(text, code=name == "selfcode")
         norm = normalise(request) if request else ""
         reason = ("unusable" if request is None else "duplicate" if norm in seen else
                   "copy" if norm in banned or norm in shown else None)
@@ -300,7 +344,7 @@ def synth_prompts(target, tokenizer, name: str, n: int, seed: int, batch_size: i
     prov = {"name": name, "key": key, "version": VERSION, "requested": n, "kept": len(prompts),
             "written": len(draws), "rejected": rejected, "seed": seed,
             "sampling": dict(zip(("temperature", "top_k", "top_p"), REQUEST_SAMPLING)),
-            "max_new_tokens": REQUEST_TOKENS, "followup_fraction": FOLLOWUP_FRACTION,
+            "max_new_tokens": REQUEST_TOKENS[name], "followup_fraction": FOLLOWUP_FRACTION,
             "categories": {c: sum(p.category == c for p in prompts)
                            for c in dict.fromkeys(p.category for p in prompts)},
             "disjoint_from": "every prompt (both splits) of " + ", ".join(DATASETS),
