@@ -12,7 +12,8 @@ import torch
 
 from flashspec.data import GSM8K_INSTRUCTION, format_humaneval, split_ids
 from flashspec.training import prompts as synth
-from flashspec.training.data import DataSpec, DistillData, FORMAT, job_groups, train_prompts
+from flashspec.training.data import (DataSpec, DistillData, FORMAT, job_groups, length_batches,
+                                     train_prompts)
 from flashspec.training.train import TrainConfig, collate, to_store
 
 
@@ -97,6 +98,12 @@ def test_job_groups_cover_every_job_once():
     assert sorted(jobs) == sorted([(p.id, k) for p in prompts[:5] for k in range(2)] +
                                   [(p.id, 0) for p in prompts[5:]])
     assert [len(g) for g in groups] == [4, 4, 4, 1]
+
+
+def test_length_batches_bound_rows_and_tokens():
+    lengths = [10, 10, 20, 20, 30, 500]
+    assert length_batches(range(6), lengths, rows=4, tokens=60) == [[0, 1, 2], [3, 4], [5]]
+    assert length_batches(range(6), lengths, rows=2, tokens=10 ** 6) == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_cache_key_unchanged_without_a_budget():

@@ -36,6 +36,7 @@ from flashspec.models.llama import LlamaLM
 log = logging.getLogger(__name__)
 FORMAT = "flashspec-distill-v1"
 GROUP_BATCHES = 4   # generation batches per job group (turn 2 follows turn 1 inside a group)
+PREFILL_TOKENS = 393216  # rows x longest prompt per engine call (bounds the prefill's attention)
 
 
 @dataclass(frozen=True)
@@ -294,10 +295,9 @@ def generate_group(engine, tokenizer, jobs: Sequence[tuple[Any, int]], first: di
                                                       answers[(p.id, k)]) for p, k in live]
         last_turn = [len(p.turns) == turn + 1 for p, _ in live]
         order = sorted(range(len(live)), key=lambda i: len(ids[i]))
-        for lo in range(0, len(order), spec.batch_size):
+        for chunk in length_batches(order, [len(x) for x in ids], spec.batch_size):
             if time.perf_counter() > deadline and (out or done_before):
                 return out  # (the first call always runs: a part is never empty)
-            chunk = order[lo:lo + spec.batch_size]
             res = engine.generate([ids[i] for i in chunk], spec.max_new_tokens)
             for i, row in zip(chunk, res.rows):
                 p, k = live[i]
@@ -306,6 +306,20 @@ def generate_group(engine, tokenizer, jobs: Sequence[tuple[Any, int]], first: di
                 out.append(Sequence_(p.id, p.dataset, turn, k, ids[i] + row.tokens, len(ids[i])))
             bar.update(len(chunk))
     return out
+
+
+def length_batches(order: Sequence[int], lengths: Sequence[int], rows: int,
+                   tokens: int = PREFILL_TOKENS) -> list[list[int]]:
+    """Consecutive chunks of ``order`` (sorted by length) with at most ``rows`` rows and at most
+    ``tokens`` = rows x longest length (one row at least)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) >= rows or (len(cur) + 1) * lengths[i] > tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
 
 
 def feature_batch_tokens(target: LlamaLM) -> int:
