@@ -66,6 +66,7 @@ TRAIN=(--steps 100000 --batch-tokens $BATCH_TOKENS --lr 2.5e-3)
 TSETS=(train.warmup=150 train.max_len=768 train.eval_every=500 train.eval_prompts=$EVAL_PROMPTS
        train.eval_new_tokens=96 train.log_every=50 train.val_fraction=0.02 train.out_norm=true
        train.in_norm=true train.unroll=2)
+BARS="it/s\]\|seq/s\]\|batch/s\]\|step/s\]\|it\]\|seq\]\|batch\]\|step\]\|acc0=\|^ *$"  # tqdm lines
 t0=$(date +%s)
 mkdir -p "$OUT" /tmp/runs
 runs=(lr72)
@@ -73,7 +74,7 @@ if [ "$TRAIN_FULL" = 1 ]; then
     # two drafters side by side: the data once (cached on disk), then two training processes
     runs+=(full)
     $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
-        --set "${DSETS[@]}" 2>&1 | grep -v "it/s\]\|seq/s\]\|batch/s\]" | tee /tmp/runs/data.log | tail -12
+        --set "${DSETS[@]}" 2>&1 | tr '\r' '\n' | grep -v "$BARS" | tee /tmp/runs/data.log | tail -12
     BUDGET=$(( DEADLINE - RESERVE - ($(date +%s) - t0) ))
     BUDGET=$(( BUDGET < 20 ? 20 : BUDGET ))
     echo "data ready after $(( $(date +%s) - t0 )) s; training budget $BUDGET s"
@@ -82,20 +83,28 @@ else
     # one process: data (kept in memory, not written) then training until the deadline
     WHEN=(--deadline $(( t0 + DEADLINE - RESERVE )) --no-save-data)
 fi
-$PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" --head-rank 72 \
+# hard stop (the best checkpoint so far is still copied) if the final evaluation overruns
+LEFT=$(( DEADLINE + 45 - ($(date +%s) - t0) ))
+HARD=(timeout $(( LEFT < 60 ? 60 : LEFT )))
+"${HARD[@]}" $PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" --head-rank 72 \
     --out /tmp/runs/lr72 --set "${DSETS[@]}" "${TSETS[@]}" > /tmp/runs/lr72.log 2>&1 &
+pids=($!)
 if [ "$TRAIN_FULL" = 1 ]; then
-    $PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" \
+    "${HARD[@]}" $PY -m experiments.train_drafter "${DATA[@]}" "${TRAIN[@]}" "${WHEN[@]}" \
         --out /tmp/runs/full --set "${DSETS[@]}" "${TSETS[@]}" > /tmp/runs/full.log 2>&1 &
+    pids+=($!)
 fi
-wait
+for pid in "${pids[@]}"; do
+    wait "$pid" || echo "training process $pid exited with status $? (124: hard time limit)"
+done
 echo "trained after $(( $(date +%s) - t0 )) s"
-tar czf "$OUT/prompts.tar.gz" -C "$CACHE" prompts
-grep -v "it/s\]\|seq/s\]\|batch/s\]\|step/s\]" /tmp/runs/lr72.log > "$OUT/lr72.log" || true
+tar czf "$OUT/prompts.tar.gz" -C "$CACHE" prompts || echo "no self-written prompts in $CACHE"
+tr '\r' '\n' < /tmp/runs/lr72.log | grep -v "$BARS" > "$OUT/lr72.log" || true
 grep "distill data\|synthetic prompts\|generation budget\|training budget" "$OUT/lr72.log" || true
 for run in "${runs[@]}"; do
-    grep -v "step/s" /tmp/runs/$run.log | tail -12
-    cp /tmp/runs/$run/eagle_best.safetensors "$OUT/${run}_best.safetensors"
-    cp /tmp/runs/$run/eagle_best.json "$OUT/${run}_best.json"
-    cp /tmp/runs/$run/train_records.jsonl "$OUT/${run}_records.jsonl"
+    tr '\r' '\n' < /tmp/runs/$run.log | grep -v "$BARS" | tail -12
+    for f in eagle_best.safetensors:best.safetensors eagle_best.json:best.json \
+             train_records.jsonl:records.jsonl; do
+        cp "/tmp/runs/$run/${f%%:*}" "$OUT/${run}_${f#*:}" || echo "missing /tmp/runs/$run/${f%%:*}"
+    done
 done
