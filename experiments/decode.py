@@ -114,7 +114,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         raise FlashSpecError(f"unknown decode method(s) {unknown}; choose from {list(METHODS)}")
     backend = cfg.hardware.verify_backend
     kw = dict(params=params, backend=backend, seed=int(cfg.seed), eos_ids=eos,
-              graphs=bool(cfg.hardware.get("cuda_graphs", False)))
+              graphs=bool(cfg.hardware.get("cuda_graphs", False)),
+              compile=bool(cfg.hardware.get("compile_step", False)))
     methods: list[Method] = []
     arms: list[Arm] = []
     if {"spec", "each_arm"} & set(exp.methods):

@@ -86,12 +86,13 @@ class SpecEngine:
 
     ``graphs=True`` runs the target's verify step through :class:`flashspec.graphs.GraphedStep`
     (static buffers, attention over the whole static cache; CUDA graphs on a GPU, with the fused
-    verify inside when the backend is 'triton' and no top-k/top-p warp is set).
+    verify inside when the backend is 'triton' and no top-k/top-p warp is set); ``compile=True``
+    also runs that step through ``torch.compile`` before capture (fewer, fused kernels).
     """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Any = None,
                  params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
-                 eos_ids: Sequence[int] = (), graphs: bool = False) -> None:
+                 eos_ids: Sequence[int] = (), graphs: bool = False, compile: bool = False) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -101,7 +102,7 @@ class SpecEngine:
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedPolicy(0)
         self.reward_kind = getattr(self.policy, "reward_kind", "alpha")
-        adaptive = len(self.arms) > 1 and not isinstance(self.policy, FixedPolicy)
+        adaptive = len(self.arms) > 1 and hasattr(self.policy, "reward_kind")  # a learning bandit
         if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
             raise FlashSpecError("an 'ar' arm (no speculation) proposes nothing, so only a policy "
                                  "rewarded by tokens per second (reward: tps) can score it")
@@ -111,7 +112,8 @@ class SpecEngine:
         self.generator = torch.Generator(device=target.device)
         self.generator.manual_seed(seed)
         self.cache = None
-        self.graphs, self.backend = graphs, backend
+        self.graphs, self.backend, self.compile = graphs, backend, compile
+        self.min_capacity = 2048
         self.step_runner: GraphedStep | None = None
 
     # ----------------------------------------------------------------- setup
@@ -121,8 +123,8 @@ class SpecEngine:
         gamma_max = max(a.gamma for a in self.arms)
         capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
         limit = self.target.shape.max_positions
-        if self.graphs:  # round up so that one cache (and its graphs) serves many prompts
-            capacity = min(-(-capacity // 256) * 256, max(limit, capacity))
+        if self.graphs:  # one cache (and its graphs) for every prompt: no capture mid-run
+            capacity = min(max(-(-capacity // 1024) * 1024, self.min_capacity), max(limit, capacity))
         if capacity > limit:
             raise FlashSpecError(f"prompt of {max(len(p) for p in prompts)} tokens + "
                                  f"{max_new_tokens} new exceeds the context window ({limit}); "
@@ -138,7 +140,9 @@ class SpecEngine:
             self.step_runner = None
         if self.graphs and self.step_runner is None:
             fuse = self.backend == "triton" and self.params.top_k == 0 and self.params.top_p >= 1.0
-            self.step_runner = GraphedStep(self.target, self.cache, self.verify, self.params, fuse)
+            self.step_runner = GraphedStep(self.target, self.cache, self.verify, self.params, fuse,
+                                           compile=self.compile)
+            self.step_runner.prepare(batch, self._step_widths())
         for arm in self.arms:
             if arm.drafter is not None:
                 arm.drafter.reset(batch, capacity)
@@ -148,6 +152,15 @@ class SpecEngine:
             hidden = self.target.forward_hidden(toks, pos, self.cache, span=width)
             state.set_hidden(hidden, [0] * batch, [n - 1 for n in state.lengths])
         return state
+
+    def _step_widths(self) -> dict[int, bool]:
+        """Verify widths the arms can produce -> whether a full-q (draft logits) step occurs."""
+        widths: dict[int, bool] = {1: False}
+        for arm in self.arms:
+            one_hot = arm.drafter is None or getattr(arm.drafter, "one_hot", False)
+            for w in range(2, arm.gamma + 2):
+                widths[w] = widths.get(w, False) or not one_hot
+        return widths
 
     # ----------------------------------------------------------------- one step
     def _propose(self, state: DecodeState, arm: Arm) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -43,9 +43,12 @@ class GraphedStep:
     """``step(tokens, positions, drafts, draft_logits, seed)`` of the target, replayed as a graph."""
 
     def __init__(self, target: LlamaLM, cache: KVCache, verify: VerifyFn, params: SamplingParams,
-                 fuse_verify: bool, capture: bool = True) -> None:
+                 fuse_verify: bool, capture: bool = True, compile: bool = False) -> None:
         self.target, self.cache, self.verify, self.params = target, cache, verify, params
         self.fuse_verify = fuse_verify
+        # torch.compile fuses the many small element-wise kernels of a step (norms, RoPE, SiLU);
+        # one compile with a symbolic width serves every captured shape
+        self.forward = torch.compile(self._forward, dynamic=True) if compile else self._forward
         self.capture = capture and target.device.type == "cuda"
         self.slots: dict[tuple[int, int, int], _Slot] = {}
         self.capture_s = 0.0
@@ -72,6 +75,21 @@ class GraphedStep:
                                                self.params, int(seed))
         return slot.hidden, slot.out, slot.n_acc
 
+    def prepare(self, batch: int, widths: dict[int, bool]) -> None:
+        """Capture every (width, full-q?) step shape up front (the cold start).
+
+        The warm-up writes K/V of dummy tokens at slots 0..w-1; those slots are rewritten by
+        the real prompt before any query can attend them (a query at p sees slots <= p only).
+        """
+        vocab = self.target.shape.vocab_size
+        for width, with_q in sorted(widths.items()):
+            for q in {False, with_q and width > 1}:
+                pos = torch.arange(width, device=self.target.device).expand(batch, width)
+                drafts = torch.zeros(batch, width - 1, dtype=torch.long, device=self.target.device)
+                logits = (torch.zeros(batch, width - 1, vocab, dtype=self.target.dtype,
+                                      device=self.target.device) if q else None)
+                self(pos, pos, drafts, logits, 0)
+
     def _slot(self, shape: torch.Size, q_shape: torch.Size | None) -> _Slot:
         key = (shape[0], shape[1], q_shape is not None)
         if key not in self.slots:
@@ -85,10 +103,14 @@ class GraphedStep:
                 draft_logits=q, seed=torch.zeros((), dtype=torch.long, device=dev))
         return self.slots[key]
 
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.target.forward_hidden(tokens, positions, self.cache)
+        return hidden, self.target.logits(hidden)
+
     def _run(self, slot: _Slot) -> None:
         """The step itself, on static buffers (what a graph records)."""
-        slot.hidden = self.target.forward_hidden(slot.tokens, slot.positions, self.cache)
-        slot.logits = self.target.logits(slot.hidden)
+        slot.hidden, slot.logits = self.forward(slot.tokens, slot.positions)
         if self.fuse_verify:
             slot.out, slot.n_acc = self.verify(slot.logits, slot.drafts, slot.draft_logits,
                                                self.params, slot.seed)

@@ -51,11 +51,47 @@ def run(engine: SpecEngine, batch: int, new: int) -> tuple[list[list[int]], floa
     return [r.tokens for r in res.rows], wall, sum(r.tau or 0 for r in res.rows) / batch
 
 
+def replay_ms(engine: SpecEngine, width: int, n: int = 200) -> float:
+    """GPU time of one graph replay of the verify step at ``width`` (batch 1), in ms."""
+    slot = engine.step_runner.slots[(1, width, False)]
+    slot.graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        slot.graph.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t0) / n
+
+
+def step_timing(model, arm: Arm, ref: dict, new: int, modes: tuple[bool, ...]) -> bool:
+    """Per-step cost with graphs, eager-in-graph vs torch.compile'd-in-graph (fp32, B=1)."""
+    ok = True
+    for compiled in modes:
+        try:
+            t0 = time.perf_counter()
+            engine = SpecEngine(model, [arm], backend="triton", graphs=True, compile=compiled)
+            run(engine, 1, 8)
+            cold = time.perf_counter() - t0
+            got, wall, tau = run(engine, 1, new)
+            same = got == ref[1]
+            ok &= same
+            print(json.dumps({"check": "step_cost", "compile": compiled, "equal": same,
+                              "cold_start_s": round(cold, 2), "replay_ms_w1": round(replay_ms(engine, 1), 3),
+                              "replay_ms_w5": round(replay_ms(engine, 5), 3),
+                              "wall_ms_per_step": round(1000 * wall / max(1, len(got[0]) / tau), 3)}),
+                  flush=True)
+        except Exception as e:  # report, do not hide: compile is optional
+            print(json.dumps({"check": "step_cost", "compile": compiled, "error": repr(e)[:300]}))
+            ok &= compiled
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="greedy checks with the n-gram drafter only")
+    ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd graphed step")
     a = ap.parse_args()
     model = dummy_model(a.device)
     ok = True
@@ -79,6 +115,7 @@ def main() -> int:
                                   "batch": batch, "drafter": name, "equal": same,
                                   "ar_equal": got_ar == ref[batch], "tau": round(tau, 3),
                                   "ar_s": round(t_ar, 3), "spec_s": round(t_sp, 3)}), flush=True)
+    ok &= step_timing(model, arms["ngram"], ref, a.new, (False, True) if a.compile else (False,))
     for params in (SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0)):
         outs = {(b, g): run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7,
                                        graphs=g), 4, a.new)[0]

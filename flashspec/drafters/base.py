@@ -57,6 +57,7 @@ class Drafter:
 
     name: str = "drafter"
     uses_hidden: bool = False
+    one_hot: bool = False       # True: propose() never returns draft logits (deterministic q)
 
     def reset(self, batch: int, capacity: int) -> None:
         """Prepare for a new batch of ``batch`` rows with room for ``capacity`` positions."""

@@ -24,6 +24,8 @@ def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> lis
 class NgramDrafter(Drafter):
     """Deterministic proposal (q is one-hot), free to compute, shares the target's tokenizer."""
 
+    one_hot = True      # propose() never returns draft logits
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
