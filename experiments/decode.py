@@ -196,15 +196,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
                          group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
                          name=_run_name(), dir=out_dir)
+    batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
     cold: dict[str, float] = {}
-    if exp.warmup:  # untimed in the results; its wall time is the method's cold start
-        warm = prompt_turn_ids(tokenizer, prompts[0], [])
+    if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start
+        warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
         for m in methods:
             t0 = time.perf_counter()
-            m.run([warm] * int(exp.batch_size), 4, None)
+            m.run(warm, 4, None)
             cold[m.name] = time.perf_counter() - t0
         prov = {**prov, "cold_start_s": cold}
-    batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
     with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
         for bi, batch in enumerate(batches):
             for m in _order(methods, bi, bool(exp.get("rotate_methods", True))):
