@@ -27,9 +27,9 @@ from flashspec.models.loading import build, dummy_config  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
 
 
-def dummy_model(device: str, seed: int = 0):
+def dummy_model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    model = build(dummy_config("smollm2-135m"), torch.float32, device)
+    model = build(dummy_config("smollm2-135m"), dtype, device)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.05)
     return model.eval().requires_grad_(False)
@@ -92,11 +92,15 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="greedy checks with the n-gram drafter only")
     ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd graphed step")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--timing-only", action="store_true", help="only the step-cost check (eager and compiled)")
     a = ap.parse_args()
-    model = dummy_model(a.device)
+    model = dummy_model(a.device, dtype=getattr(torch, a.dtype))
     ok = True
     arms = {"ngram": Arm(NgramDrafter(), 4), "skip10": Arm(ModelDrafter(model, list(range(10)), name="skip10"), 3)}
     ref = {b: run(SpecEngine(model, [Arm(None, 0)]), b, a.new)[0] for b in (1, 4)}
+    if a.timing_only:
+        return 0 if step_timing(model, arms["ngram"], ref, a.new, (False, True)) else 1
     for backend, graphs in (("torch", False), ("triton", False), ("torch", True), ("triton", True)):
         for batch in (1, 4):
             kw = dict(backend=backend, graphs=graphs)
