@@ -34,7 +34,7 @@ if [ "$(cat /dev/shm/engine_check_rc 2>/dev/null)" != 0 ]; then
 fi
 RUN="python3 run.py experiment=decode hardware=h200 hardware.cuda_graphs=$GRAPHS
      hardware.verify_backend=$BACKEND target.source=$GGUF
-     logger=disabled drafters=gpu_ngram bandit=ucb1_tps_gpu"
+     logger=disabled drafters=gpu_ngram bandit=ucb1_gpu_tps"
 ALL='experiment.methods=[ar,each_arm,spec,hf_generate,hf_compiled,hf_prompt_lookup]'
 OURS='experiment.methods=[ar,each_arm,spec]'
 one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32
