@@ -57,8 +57,6 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
     ``extra`` goes to ``generate``: ``cache_implementation="static"`` makes transformers compile
     the decoding step (torch.compile, CUDA graphs) on a GPU: the ``hf_compiled`` baseline.
     """
-    import time
-
     def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
         out = []
         for p in prompts:

@@ -115,6 +115,7 @@ class SpecEngine:
         self.graphs, self.backend, self.compile = graphs, backend, compile
         self.min_capacity = 2048
         self.step_runner: GraphedStep | None = None
+        self._retired_capture_s = 0.0   # capture time of step runners replaced with their cache
 
     # ----------------------------------------------------------------- setup
     def _start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeState:
@@ -137,6 +138,7 @@ class SpecEngine:
                             host_tokens=[list(p) for p in prompts], finished=[False] * batch)
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(batch, capacity)
+            self._retired_capture_s = self.capture_s
             self.step_runner = None
         if self.graphs and self.step_runner is None:
             fuse = self.backend == "triton" and self.params.top_k == 0 and self.params.top_p >= 1.0
@@ -152,6 +154,12 @@ class SpecEngine:
             hidden = self.target.forward_hidden(toks, pos, self.cache, span=width)
             state.set_hidden(hidden, [0] * batch, [n - 1 for n in state.lengths])
         return state
+
+    @property
+    def capture_s(self) -> float:
+        """CUDA-graph capture time spent by this engine so far (all its step runners)."""
+        runner = self.step_runner.capture_s if self.step_runner is not None else 0.0
+        return self._retired_capture_s + runner
 
     def _step_widths(self) -> dict[int, bool]:
         """Verify widths the arms can produce -> whether a full-q (draft logits) step occurs."""
@@ -224,9 +232,8 @@ class SpecEngine:
         """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence."""
         if max_new_tokens < 1:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        t0 = time.perf_counter()
+        t0, capture0 = time.perf_counter(), self.capture_s
         state = self._start(prompts, max_new_tokens)
-        capture0 = self.step_runner.capture_s if self.step_runner is not None else 0.0
         state.domain = domain
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
         budgets = [max_new_tokens] * len(prompts)
@@ -256,9 +263,8 @@ class SpecEngine:
         for b, row in enumerate(rows):
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
         t1 = time.perf_counter()
-        capture = self.step_runner.capture_s - capture0 if self.step_runner is not None else 0.0
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
-                           capture_s=capture)
+                           capture_s=self.capture_s - capture0)
 
     def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
         """What the policy may condition on: step, domain, and drafter features it asks for."""

@@ -80,7 +80,10 @@ class GraphedStep:
 
         The warm-up writes K/V of dummy tokens at slots 0..w-1; those slots are rewritten by
         the real prompt before any query can attend them (a query at p sees slots <= p only).
+        Without capture (CPU) there is nothing to prepare: slots are made at first use.
         """
+        if not self.capture:
+            return
         vocab = self.target.shape.vocab_size
         for width, with_q in sorted(widths.items()):
             for q in {False, with_q and width > 1}:
