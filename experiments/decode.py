@@ -19,6 +19,7 @@ from tqdm import tqdm
 from flashspec.build import build_arms, build_drafter, build_policy, build_target
 from flashspec.data import Prompt, chat_ids, prompts_from_config
 from flashspec.engine import Arm, SpecEngine
+from flashspec.planner import WidthPlanner
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import format_table, summarize
 from flashspec.records import RecordWriter, WandbLogger, provenance
@@ -128,8 +129,9 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         elif m == "spec":
             for cfg_bandit in [cfg.bandit] + [load_bandit(n) for n in exp.get("extra_bandits") or []]:
                 policy = build_policy(cfg_bandit, len(arms), int(cfg.seed))
-                methods.append(engine_method(spec_name(arms, cfg_bandit),
-                                             SpecEngine(target, arms, policy, **kw)))
+                planner = WidthPlanner.from_config(cfg.get("planner"))
+                name = spec_name(arms, cfg_bandit) + ("" if planner is None else "+goodput")
+                methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
             methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
         else:

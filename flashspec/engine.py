@@ -20,6 +20,7 @@ from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphedStep
 from flashspec.models.llama import LlamaLM
+from flashspec.planner import WidthPlanner
 from flashspec.verify import get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
@@ -88,11 +89,14 @@ class SpecEngine:
     (static buffers, attention over the whole static cache; CUDA graphs on a GPU, with the fused
     verify inside when the backend is 'triton' and no top-k/top-p warp is set); ``compile=True``
     also runs that step through ``torch.compile`` before capture (fewer, fused kernels).
+    ``planner`` (:class:`flashspec.planner.WidthPlanner`) verifies only as many of the arm's γ
+    drafts per step as pay for their cost (0: a plain target step).
     """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Any = None,
                  params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
-                 eos_ids: Sequence[int] = (), graphs: bool = False, compile: bool = False) -> None:
+                 eos_ids: Sequence[int] = (), graphs: bool = False, compile: bool = False,
+                 planner: WidthPlanner | None = None) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -101,6 +105,7 @@ class SpecEngine:
         self.target, self.arms, self.params = target, list(arms), params
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedPolicy(0)
+        self.planner = planner
         self.reward_kind = getattr(self.policy, "reward_kind", "alpha")
         adaptive = len(self.arms) > 1 and hasattr(self.policy, "reward_kind")  # a learning bandit
         if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
@@ -171,6 +176,17 @@ class SpecEngine:
         return widths
 
     # ----------------------------------------------------------------- one step
+    def _plan(self, state: DecodeState, arm: Arm, budgets: list[int]) -> tuple[Arm, list[int]]:
+        """The arm with the planner's γ for this step, and the real drafts per row at that γ."""
+        if self.planner is None or arm.drafter is None or arm.gamma == 0:
+            return arm, [0] * state.batch
+        live = [0 if done else g for done, g in zip(state.finished, budgets)]
+        available = getattr(arm.drafter, "available", None)
+        avail = (available(state, arm.gamma) if available is not None
+                 else [arm.gamma if r else 0 for r in live])
+        k = self.planner.plan(arm.gamma, avail, live)
+        return Arm(arm.drafter if k else None, k), [min(k, a) for a in avail]
+
     def _propose(self, state: DecodeState, arm: Arm) -> tuple[torch.Tensor, torch.Tensor | None]:
         if arm.drafter is None or arm.gamma == 0:
             return torch.zeros(state.batch, 0, dtype=torch.long, device=state.device), None
@@ -239,11 +255,13 @@ class SpecEngine:
         budgets = [max_new_tokens] * len(prompts)
         t_decode = time.perf_counter()
         step_s: list[float] = []
+        if self.planner is not None:
+            self.planner.reset(len(prompts))
         while not all(state.finished):
             ts = time.perf_counter()
             context = self._context(state, len(step_s), domain)
             arm_id = self.policy.select(context)
-            arm = self.arms[arm_id]
+            arm, real = self._plan(state, self.arms[arm_id], budgets)
             drafts, draft_logits = self._propose(state, arm)
             t_draft = time.perf_counter() - ts
             active = [not f for f in state.finished]
@@ -252,6 +270,8 @@ class SpecEngine:
             for drafter in self.drafters:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
+            if self.planner is not None:
+                self.planner.observe(drafts.shape[1], step_s[-1], real, n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
             if proposed or self.reward_kind == "tps":
                 r = reward(self.reward_kind, proposed, accepted,

@@ -21,6 +21,32 @@ def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> lis
     return []
 
 
+class NgramIndex:
+    """Incremental :func:`lookup` for one growing token list: O(new tokens) per query.
+
+    ``where[ngram]`` is the start of the continuation after the latest occurrence of ``ngram``
+    that has one (an n-gram ending at i is registered once token i + 1 exists), so a query
+    returns exactly what :func:`lookup` returns.
+    """
+
+    def __init__(self, max_ngram: int, min_ngram: int) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.where: dict[tuple[int, ...], int] = {}
+        self.seen = 0   # continuation starts registered so far: 1 .. seen - 1
+
+    def query(self, tokens: list[int], gamma: int) -> list[int]:
+        for c in range(max(self.seen, 1), len(tokens)):   # register n-grams ending at c - 1
+            for n in range(self.min_ngram, min(self.max_ngram, c) + 1):
+                self.where[tuple(tokens[c - n:c])] = c
+        self.seen = max(self.seen, len(tokens))
+        n_tok = len(tokens)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            c = self.where.get(tuple(tokens[n_tok - n:]))
+            if c is not None:
+                return tokens[c:c + gamma]
+        return []
+
+
 class NgramDrafter(Drafter):
     """Deterministic proposal (q is one-hot), free to compute, shares the target's tokenizer."""
 
@@ -30,17 +56,32 @@ class NgramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
+        self.index: dict[int, tuple[list[int], NgramIndex]] = {}   # row -> (its token list, index)
+
+    def reset(self, batch: int, capacity: int) -> None:
+        self.index = {}
+
+    def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
+        owner, index = self.index.get(b, (None, None))
+        if owner is not tokens or index.seen > len(tokens):   # a new row list: start over
+            index = NgramIndex(self.max_ngram, self.min_ngram)
+            self.index[b] = (tokens, index)
+        return index.query(tokens, gamma)
+
+    def available(self, state: DecodeState, gamma: int) -> list[int]:
+        """How many tokens each row would get (0 for finished or unmatched rows)."""
+        return [0 if done else len(self._lookup(b, toks, gamma))
+                for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
 
     def features(self, state: DecodeState) -> dict[str, object]:
         """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
-        hits = [bool(lookup(toks, 1, self.max_ngram, self.min_ngram))
-                for toks, done in zip(state.host_tokens, state.finished) if not done]
+        hits = [n > 0 for n, done in zip(self.available(state, 1), state.finished) if not done]
         return {"ngram_hit": bool(hits) and all(hits)}
 
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
-        found = [[] if done else lookup(toks, gamma, self.max_ngram, self.min_ngram)
-                 for toks, done in zip(state.host_tokens, state.finished)]
+        found = [[] if done else self._lookup(b, toks, gamma)
+                 for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
         width = max(len(f) for f in found)
         rows = [f + [f[-1] if f else toks[-1]] * (width - len(f))
                 for f, toks in zip(found, state.host_tokens)]

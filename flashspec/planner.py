@@ -1,0 +1,118 @@
+"""Goodput planning of the verify width: how many drafted tokens a step should verify.
+
+Each step the policy's arm offers up to γ drafts per row; the planner picks k in 0..γ (0: a
+plain target step) that maximises expected committed tokens per second,
+
+    value(k) = Σ_i w_i · E_i[tokens | k] / cost(k),   E_i = 1 + Σ_{j=1..min(k, m_i)} a_i^j,
+
+from the past only (so every choice keeps decoding exact): a_i is row i's acceptance rate
+(decayed counts, shrunk toward the batch's rate), m_i how many drafts row i really has (an
+n-gram row without a match has none), and cost(k) the measured wall time of steps of width
+k + 1 (an exponential average; unmeasured widths are interpolated; the widths 0, γ/2 and γ are
+each tried ``explore`` times first). Under static batching a batch ends with its slowest row, so
+the default weights (``objective='makespan'``) count only the rows within γ + 1 tokens of the
+largest remaining budget: speculation is bought where it shortens the batch, and a batch where
+it does not pay decodes as plain AR. ``objective='total'`` counts every live row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from flashspec.errors import FlashSpecError
+
+OBJECTIVES = ("makespan", "total")
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + α + ... + α^k: expected tokens a row commits when k drafts are verified."""
+    return sum(alpha ** j for j in range(k + 1))
+
+
+@dataclass
+class WidthPlanner:
+    """Chooses the verify width of each step from measured step costs and acceptance rates."""
+
+    objective: str = "makespan"
+    explore: int = 2          # measurements of each probe width before exploiting
+    decay: float = 0.9        # per-observation memory of the acceptance counts
+    smoothing: float = 0.3    # weight of a new step time in the cost average
+    prior: float = 2.0        # pseudo-trials pulling a row's rate toward the batch rate
+    cost: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise FlashSpecError(f"planner objective {self.objective!r}; choose one of {OBJECTIVES}")
+        self.reset(0)
+
+    def reset(self, batch: int) -> None:
+        """New batch: acceptance memory per row starts over; step costs are kept."""
+        self.succ, self.trials = [0.0] * batch, [0.0] * batch
+        self.batch_succ, self.batch_trials = 0.0, 0.0
+
+    # ------------------------------------------------------------------ estimates
+    def alpha(self, row: int) -> float:
+        batch = (self.batch_succ + 1.0) / (self.batch_trials + 2.0)
+        return (self.succ[row] + self.prior * batch) / (self.trials[row] + self.prior)
+
+    def step_cost(self, k: int) -> float:
+        """Measured (or interpolated) wall time of a step verifying k drafts."""
+        if k in self.cost:
+            return self.cost[k]
+        below = [j for j in self.cost if j < k]
+        above = [j for j in self.cost if j > k]
+        if not below or not above:
+            return self.cost[max(below) if below else min(above)]
+        lo, hi = max(below), min(above)
+        return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (k - lo) / (hi - lo)
+
+    # ------------------------------------------------------------------ decisions
+    def plan(self, gamma: int, available: list[int], remaining: list[int]) -> int:
+        """k in 0..gamma for this step; ``available[i]``: drafts row i has, ``remaining[i]``:
+        its token budget left (0: finished)."""
+        if gamma <= 0 or max(available, default=0) == 0:
+            return 0
+        probes = sorted({0, max(1, gamma // 2), gamma})
+        fresh = [k for k in probes if self.seen.get(k, 0) < self.explore]
+        if fresh:
+            return fresh[0]
+        live = [i for i, r in enumerate(remaining) if r > 0]
+        if self.objective == "makespan":
+            top = max(remaining[i] for i in live)
+            live = [i for i in live if remaining[i] >= top - gamma - 1]
+        rates = {i: self.alpha(i) for i in live}
+
+        def value(k: int) -> float:
+            tokens = sum(expected_tokens(rates[i], min(k, available[i])) for i in live)
+            return tokens / self.step_cost(k)
+        return max(range(gamma + 1), key=lambda k: (value(k), -k))
+
+    def observe(self, k: int, step_s: float, real: list[int], accepted: list[int],
+                live: list[bool]) -> None:
+        """One step's outcome: its width, wall time and, per live row, real drafts and accepts."""
+        old = self.cost.get(k)
+        self.cost[k] = step_s if old is None else old + self.smoothing * (step_s - old)
+        self.seen[k] = self.seen.get(k, 0) + 1
+        step_succ = step_trials = 0
+        for i, (m, n, on) in enumerate(zip(real, accepted, live)):
+            if not on or m == 0:
+                continue
+            hits = min(n, m)
+            tries = hits + (1 if n < m else 0)
+            self.succ[i] = self.decay * self.succ[i] + hits
+            self.trials[i] = self.decay * self.trials[i] + tries
+            step_succ, step_trials = step_succ + hits, step_trials + tries
+        if step_trials:
+            self.batch_succ = self.decay * self.batch_succ + step_succ
+            self.batch_trials = self.decay * self.batch_trials + step_trials
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> "WidthPlanner | None":
+        """From conf/planner (``name: none`` or missing: no planner, γ as the arm says)."""
+        if not cfg or cfg.get("name", "none") == "none":
+            return None
+        if cfg["name"] != "goodput":
+            raise FlashSpecError(f"unknown planner {cfg['name']!r}; choose none or goodput")
+        keys = ("objective", "explore", "decay", "smoothing", "prior")
+        return cls(**{k: cfg[k] for k in keys if cfg.get(k) is not None})
