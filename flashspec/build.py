@@ -16,10 +16,15 @@ DRAFTER_KINDS = ("ngram", "layerskip", "model")
 
 
 def build_target(cfg_target: Mapping[str, Any], cfg_hardware: Mapping[str, Any]):
-    """(model, tokenizer) of the target on the hardware profile's device and dtype."""
-    return load_model(cfg_target["source"], dtype=cfg_target.get("dtype") or cfg_hardware["dtype"],
-                      device=cfg_hardware["device"],
-                      quantization=cfg_target.get("quantization") or cfg_hardware.get("quantization"))
+    """(model, tokenizer) of the target on the hardware profile's device and dtype
+    (``fused_layers: true``: few-token steps through the fused decode kernels)."""
+    model, tokenizer = load_model(
+        cfg_target["source"], dtype=cfg_target.get("dtype") or cfg_hardware["dtype"],
+        device=cfg_hardware["device"],
+        quantization=cfg_target.get("quantization") or cfg_hardware.get("quantization"))
+    if cfg_hardware.get("fused_layers"):
+        model.fuse()
+    return model, tokenizer
 
 
 def layer_set(spec: Mapping[str, Any], n_layers: int) -> list[int]:

@@ -75,15 +75,31 @@ class EagleModule(nn.Module):
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(list(range(self.config.n_layers)), batch, capacity, self.shape, dtype, device)
 
+    def fuse(self) -> "EagleModule":
+        """Merge the blocks' q|k|v and gate|up weights for the fused decode layers."""
+        from flashspec.models import fused
+        if all(fused.fusable(block) for block in self.layers):
+            for block in self.layers:
+                fused.fuse_block(block)
+        return self
+
     def forward(self, features: torch.Tensor, embeds: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                mask: torch.Tensor, cache: KVCache | None = None, span: int | None = None
-                ) -> torch.Tensor:
-        """Predicted features [B, n, d] for slots with (previous feature, token embedding)."""
+                rope: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
+                mask: torch.Tensor | None, cache: KVCache | None = None, span: int | None = None,
+                rotary: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """Predicted features [B, n, d] for slots with (previous feature, token embedding).
+
+        ``rotary`` (the target's inv_freq, rope_scale) runs the blocks through the fused decode
+        layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused)."""
         features = features.to(embeds.dtype)
         if self.feat_norm is not None:
             features, embeds = self.feat_norm(features), self.embed_norm(embeds)
         x = self.fc(torch.cat([features, embeds], dim=-1))
+        if rotary is not None and cache is not None:
+            from flashspec.models.fused import run_blocks
+            x, delta = run_blocks(self.layers, x, positions, cache, *rotary)
+            x = x if delta is None else x + delta
+            return self.norm(x) if self.norm is not None else x
         span = positions.shape[1] if span is None else span
         for block in self.layers:
             x = block(x, rope, positions, cache, mask, span)
@@ -150,10 +166,15 @@ class EagleDrafter(Drafter):
 
     def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              span: int) -> torch.Tensor:
+        embeds = self.target.embed_tokens(tokens)
+        if getattr(self.target, "fused", False):   # the target's fused decode layers are on
+            from flashspec.models.fused import usable
+            if usable(embeds, positions, self.cache):
+                return self.module(feats, embeds, None, positions, None, self.cache, span,
+                                   rotary=(self.target.inv_freq, self.target.rope_scale))
         rope = self.target.rope(positions)
         mask = LlamaLM.attention_mask(positions, span, True)
-        return self.module(feats, self.target.embed_tokens(tokens), rope, positions, mask,
-                           self.cache, span)
+        return self.module(feats, embeds, rope, positions, mask, self.cache, span)
 
     # ------------------------------------------------------------------ drafting
     @torch.inference_mode()
@@ -205,6 +226,8 @@ class EagleDrafter(Drafter):
         if head is None and spec.get("head_dtype"):
             from flashspec.models.loading import resolve_dtype
             head = CastHead(target.lm_head_weight, resolve_dtype(spec["head_dtype"]))
+        if getattr(target, "fused", False):
+            module.fuse()
         return cls(target, module, head, name=spec.get("name") or "eagle")
 
 

@@ -7,6 +7,7 @@ run (layer-skip self-drafting shares the weights and uses its own cache).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashspec.matmul import linear
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,6 +158,7 @@ class LlamaLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
+        self.fused = False      # few-token cached steps through flashspec.models.fused (fuse())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -173,6 +177,24 @@ class LlamaLM(nn.Module):
         ids = list(range(self.shape.num_layers)) if layers is None else list(layers)
         return KVCache(ids, batch, capacity, self.shape, self.dtype, self.device)
 
+    def fuse(self, enabled: bool = True) -> "LlamaLM":
+        """Run cached steps of at most ``fused.MAX_TOKENS`` tokens per row (AR, verify, drafting)
+        through the fused decode kernels; longer steps (prefill) keep the reference layers.
+
+        Merges q|k|v and gate|up weights once (the originals become views: call after loading
+        and moving the model). Quantized (NF4) layers cannot be fused: the model stays as is.
+        ``fuse(False)`` switches back to the reference layers (the merged weights remain).
+        """
+        from flashspec.models import fused
+        if enabled and not all(fused.fusable(block) for block in self.layers):
+            log.warning("fused decode layers need dense projections (not quantized); not fused")
+            enabled = False
+        if enabled:
+            for block in self.layers:
+                fused.fuse_block(block)
+        self.fused = enabled
+        return self
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
@@ -181,7 +203,12 @@ class LlamaLM(nn.Module):
     def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                        layers: list[int] | None = None, span: int | None = None) -> torch.Tensor:
         """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all)."""
-        return self.norm(self.run_layers(self.embed_tokens(tokens), positions, cache, layers, span))
+        x = self.embed_tokens(tokens)
+        if self._fused_step(x, positions, cache):
+            from flashspec.models.fused import add_rmsnorm
+            residual, delta = self._fused_layers(x, positions, cache, layers)
+            return add_rmsnorm(residual, delta, self.norm.weight, self.norm.eps)[1]
+        return self.norm(self.run_layers(x, positions, cache, layers, span))
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                    layers: list[int] | None, span: int | None = None) -> torch.Tensor:
@@ -190,6 +217,9 @@ class LlamaLM(nn.Module):
         ``span`` bounds the cache slots attended (host-known max position + 1); None attends the
         whole cache capacity, which needs no device-to-host read.
         """
+        if self._fused_step(x, positions, cache):
+            residual, delta = self._fused_layers(x, positions, cache, layers)
+            return residual if delta is None else residual + delta
         if cache is None:
             span = positions.shape[1]
         elif span is None:
@@ -199,6 +229,19 @@ class LlamaLM(nn.Module):
         for i in (range(self.shape.num_layers) if layers is None else layers):
             x = self.layers[i](x, rope, positions, cache, mask, span)
         return x
+
+    def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
+        if not self.fused:
+            return False
+        from flashspec.models.fused import usable
+        return usable(x, positions, cache)
+
+    def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from flashspec.models.fused import run_blocks
+        ids = range(self.shape.num_layers) if layers is None else layers
+        return run_blocks([self.layers[i] for i in ids], x, positions, cache, self.inv_freq,
+                          self.rope_scale)
 
     @staticmethod
     def attention_mask(positions: torch.Tensor, span: int, cached: bool) -> torch.Tensor:

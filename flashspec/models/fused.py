@@ -1,0 +1,374 @@
+"""Fused decode layers: about nine kernels per Llama layer for few-token cached steps.
+
+The reference :class:`flashspec.models.llama.Block` launches ~45 small kernels per layer (norms,
+RoPE, scatters, masked SDPA over the whole static cache, SiLU, adds); a CUDA-graph replay of a
+verify step is then bound by kernel latency. For steps of at most ``MAX_TOKENS`` query tokens
+per row (AR, verify and drafter steps) a layer here is
+
+1. ``add_rmsnorm``       residual + delta, then RMSNorm (Triton, fp32 inside)
+2. q|k|v matmul          one ``F.linear`` on the merged weight (:func:`fuse_block`)
+3. ``rope_cache_write``  RoPE of q and k from positions, k/v stored at slot = position (Triton)
+4. ``decode_attention``  causal GQA attention over the row's own cache slots (Triton)
+5. o_proj matmul
+6. ``add_rmsnorm``
+7. gate|up matmul        one ``F.linear`` on the merged weight
+8. ``silu_mul``          (Triton)
+9. down matmul           (its output is added to the residual by the next ``add_rmsnorm``)
+
+The KV cache layout is the reference one (``KVCache.k[i]`` is [B, H_kv, capacity, D], slot p
+holds position p), so fused and reference steps mix freely. Nothing host-side depends on
+positions (the attention loop bound is read inside the kernel), so every launch is safe to
+capture in a CUDA graph. Rounding follows the reference: fp32 math inside each kernel, and in
+bf16/fp16 the intermediate values the reference rounds (normed states, cos/sin, the RoPE
+products, SiLU) are rounded the same way. The kernels run on CUDA tensors, or on CPU tensors
+under ``TRITON_INTERPRET=1`` (the tests).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+from triton.language.extra import libdevice
+
+from flashspec.matmul import linear
+
+MAX_TOKENS = 16     # query tokens per row up to which a cached step takes the fused layers
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, delta_ptr, res_ptr, out_ptr, w_ptr, d, eps,
+                        HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: r = x (+ delta, stored to res), out = (r * rsqrt(mean(r²) + eps)) * w."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    x = tl.load(x_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        x += tl.load(delta_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+        xr = x.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * d + cols, xr, mask=mask)
+        x = xr.to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * d + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cos_sin(freq, INTERPRET: tl.constexpr):
+    """Accurate cos/sin (libdevice on the GPU: arguments reach thousands of radians)."""
+    if INTERPRET:
+        return tl.cos(freq), tl.sin(freq)
+    else:
+        return libdevice.cos(freq), libdevice.sin(freq)
+
+
+@triton.jit
+def _rotate(x_ptr, o_ptr, o_hs, heads, cos, sin, j, jmask, ok,
+            HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate-half RoPE of ``heads`` heads at x_ptr (head stride 2 * HALF) into o_ptr (head
+    stride o_hs) where ``ok``, each product rounded to o's dtype as the reference does."""
+    DT = o_ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)
+    m = (h < tl.where(ok, heads, 0))[:, None] & jmask[None, :]
+    src = x_ptr + h[:, None] * (2 * HALF) + j[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+    a1 = (x1 * cos).to(DT).to(tl.float32)
+    b1 = (x2 * sin).to(DT).to(tl.float32)
+    a2 = (x2 * cos).to(DT).to(tl.float32)
+    b2 = (x1 * sin).to(DT).to(tl.float32)
+    dst = o_ptr + h[:, None] * o_hs + j[None, :]
+    tl.store(dst, (a1 - b1).to(DT), mask=m)
+    tl.store(dst + HALF, (a2 + b2).to(DT), mask=m)
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, n, capacity,
+                       rope_scale, s_cb, s_ch, s_cs,
+                       H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """One token (b, t): q -> q buffer [B, n, H, D] rotated; k rotated and v copied into the
+    cache at slot = position (cache strides s_cb, s_ch, s_cs; unit stride along D)."""
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // n
+    DT = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok)
+    j = tl.arange(0, BLOCK_HALF)
+    jmask = j < HALF
+    freq = pos.to(tl.float32) * tl.load(inv_freq_ptr + j, mask=jmask, other=0.0)
+    cos, sin = _cos_sin(freq, INTERPRET)
+    cos = (cos * rope_scale).to(DT).to(tl.float32)[None, :]
+    sin = (sin * rope_scale).to(DT).to(tl.float32)[None, :]
+    row = qkv_ptr + tok * ((H + 2 * HKV) * D)
+    ok = (pos >= 0) & (pos < capacity)      # an out-of-range position writes nothing
+    _rotate(row, q_ptr + tok * (H * D), D, H, cos, sin, j, jmask, ok, HALF, BLOCK_HQ)
+    kvoff = b * s_cb + pos * s_cs
+    _rotate(row + H * D, kc_ptr + kvoff, s_ch, HKV, cos, sin, j, jmask, ok, HALF, BLOCK_HK)
+    # v: a copy, both halves (head stride D in the qkv row, s_ch in the cache)
+    h = tl.arange(0, BLOCK_HK)
+    m = (h < tl.where(ok, HKV, 0))[:, None] & jmask[None, :]
+    src = row + (H + HKV) * D + h[:, None] * D + j[None, :]
+    dst = vc_ptr + kvoff + h[:, None] * s_ch + j[None, :]
+    tl.store(dst, tl.load(src, mask=m, other=0.0), mask=m)
+    tl.store(dst + HALF, tl.load(src + HALF, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, n, capacity, scale,
+                             s_kb, s_kh, s_ks,
+                             H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """Program (b * HKV + kv head, query block): the G = H / HKV query heads of one kv head for
+    all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
+    a query at position p sees slots <= p. q and o are [B, n, H, D] contiguous."""
+    pid = tl.program_id(0)
+    b = (pid // HKV).to(tl.int64)
+    kvh = pid % HKV
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m // G
+    h = kvh * G + m % G
+    valid = t < n
+    pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
+    hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D + d[None, :]
+    qmask = valid[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + qo, mask=qmask, other=0.0)
+    kv = b * s_kb + kvh * s_kh
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        s = start + tl.arange(0, BLOCK_N)
+        smask = (s < hi)[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(s[None, :] <= pos[:, None], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + qo, out.to(o_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    """out[r, i] = silu(gu[r, i]) * gu[r, inter + i], SiLU rounded to the dtype first."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    DT = out_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * (2 * inter) + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * (2 * inter) + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * u).to(DT), mask=mask)
+
+
+INTERPRET = type(_silu_mul_kernel).__name__ == "InterpretedFunction"
+
+
+# ----------------------------------------------------------------------------- wrappers
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual, normed): residual = x + delta (written into ``delta``'s buffer; ``x`` itself
+    when delta is None), normed = RMSNorm(residual) * weight, for x, delta [..., d]."""
+    d = x.shape[-1]
+    x = x.contiguous()
+    res = x if delta is None else delta.contiguous()
+    out = torch.empty_like(x)
+    block = _pow2(d)
+    _add_rmsnorm_kernel[(x.numel() // d,)](x, res, res, out, weight, d, eps,
+                                           HAS_DELTA=delta is not None, BLOCK=block,
+                                           num_warps=4 if block <= 2048 else 8)
+    return res, out
+
+
+def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
+                     heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotated queries [B, n, H, D] from qkv [B, n, (H + 2 H_kv) D]; rotated keys and the values
+    go to ``k_cache``/``v_cache`` [B, H_kv, capacity, D] at slot = position ([B, n] int64)."""
+    b, n, width = qkv.shape
+    qkv = qkv.contiguous()
+    head_dim = width // (heads + 2 * kv_heads)
+    q = torch.empty(b, n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    half = head_dim // 2
+    _rope_cache_kernel[(b * n,)](
+        qkv, positions, inv_freq, q, k_cache, v_cache, n, k_cache.shape[2], float(rope_scale),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H=heads, HKV=kv_heads, D=head_dim, HALF=half, BLOCK_HQ=_pow2(heads), BLOCK_HK=_pow2(kv_heads),
+        BLOCK_HALF=_pow2(half), INTERPRET=INTERPRET, num_warps=1 if heads * head_dim <= 1024 else 4)
+    return q
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
+    a query at position p sees slots 0..p of its own row. Returns [B, n, H, D]."""
+    b, n, heads, head_dim = q.shape
+    q = q.contiguous()
+    kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    rows = n * (heads // kv_heads)
+    block_m = block_m or min(max(16, _pow2(rows)), 64)
+    ieee = q.dtype == torch.float32
+    out = torch.empty_like(q)
+    grid = (b * kv_heads, triton.cdiv(rows, block_m))
+    _decode_attention_kernel[grid](
+        q, k_cache, v_cache, positions, out, n, capacity, 1.0 / math.sqrt(head_dim),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64,
+        BLOCK_D=max(16, _pow2(head_dim)), IEEE=ieee, num_warps=4)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2I] (gate first, contiguous); returns [..., I]."""
+    inter = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(_pow2(inter), 1024)
+    _silu_mul_kernel[(out.numel() // inter, triton.cdiv(inter, block))](gate_up, out, inter,
+                                                                       BLOCK=block, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- weights
+def _merge(modules: Sequence[nn.Module], name: str) -> torch.Tensor | None:
+    """Concatenate ``name`` (weight or bias) of ``modules`` along dim 0 and make every
+    module's parameter a view into the result (no second copy of the weights)."""
+    parts = [getattr(m, name) for m in modules]
+    if any(p is None for p in parts):
+        return None
+    merged = torch.cat([p.detach() for p in parts], 0)
+    offset = 0
+    for module, p in zip(modules, parts):
+        view = merged[offset:offset + p.shape[0]]
+        setattr(module, name, nn.Parameter(view, requires_grad=p.requires_grad))
+        offset += p.shape[0]
+    return merged
+
+
+def fusable(block: nn.Module) -> bool:
+    """Whether every projection of ``block`` is a plain dense linear (not e.g. NF4)."""
+    from flashspec.models.llama import Linear
+    attn, mlp = block.self_attn, block.mlp
+    mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj)
+    return all(type(m) in (Linear, nn.Linear) for m in mods)
+
+
+@torch.no_grad()
+def fuse_block(block: nn.Module) -> None:
+    """Merge q|k|v (and their biases) and gate|up of ``block`` into single weights, stored as
+    non-persistent buffers ``qkv_weight``/``qkv_bias``/``gate_up_weight`` (state dicts keep
+    their keys; the original parameters become views). Call after loading and moving."""
+    attn, mlp = block.self_attn, block.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    attn.register_buffer("qkv_weight", _merge(qkv, "weight"), persistent=False)
+    attn.register_buffer("qkv_bias", _merge(qkv, "bias"), persistent=False)
+    mlp.register_buffer("gate_up_weight", _merge((mlp.gate_proj, mlp.up_proj), "weight"),
+                        persistent=False)
+
+
+def _aliased(merged: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> bool:
+    """``parts`` are still consecutive rows of ``merged`` (false after ``.to()`` or a swap)."""
+    if merged is None:
+        return False
+    ptr, step = merged.data_ptr(), merged.stride(0) * merged.element_size()
+    for p in parts:
+        if p.data_ptr() != ptr or p.dtype != merged.dtype:
+            return False
+        ptr += p.shape[0] * step
+    return True
+
+
+def _merged(module: nn.Module, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The merged weight ``name`` of ``module`` if still current, else None (separate matmuls;
+    warns once when a merged weight went stale, e.g. after ``.to()``: call ``fuse()`` again)."""
+    w = getattr(module, name, None)
+    if _aliased(w, parts):
+        return w
+    if w is not None and name not in _warned:
+        _warned.add(name)
+        log.warning("merged %s no longer aliases its projections (moved or replaced after "
+                    "fuse()); using separate matmuls, call fuse() again", name)
+    return None
+
+
+def _qkv(attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    w = _merged(attn, "qkv_weight", (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+    if w is not None:
+        return linear(h, w, attn.qkv_bias)
+    return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1)
+
+
+def _gate_up(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    w = _merged(mlp, "gate_up_weight", (mlp.gate_proj.weight, mlp.up_proj.weight))
+    if w is not None:
+        return linear(h, w)
+    return torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1)
+
+
+# ----------------------------------------------------------------------------- layers
+def usable(x: torch.Tensor, positions: torch.Tensor, cache) -> bool:
+    """Whether a step may take the fused layers: cached, at most MAX_TOKENS per row, on CUDA
+    (or the interpreter), without autograd, not traced by torch.compile (which fuses the
+    reference layers itself)."""
+    return (cache is not None and positions.shape[1] <= MAX_TOKENS
+            and (x.is_cuda or INTERPRET) and not (torch.is_grad_enabled() and x.requires_grad)
+            and not torch.compiler.is_compiling())
+
+
+def block_step(block: nn.Module, residual: torch.Tensor, delta: torch.Tensor | None,
+               positions: torch.Tensor, cache, inv_freq: torch.Tensor, rope_scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder block on the pending residual stream ``residual + delta``; returns the new
+    (residual, delta) pair (the MLP output is added by the next ``add_rmsnorm``)."""
+    attn, mlp, s = block.self_attn, block.mlp, block.self_attn.s
+    b, n, _ = residual.shape
+    i = cache.slot[attn.layer_id]
+    residual, h = add_rmsnorm(residual, delta, block.input_layernorm.weight,
+                              block.input_layernorm.eps)
+    q = rope_cache_write(_qkv(attn, h), positions, cache.k[i], cache.v[i], inv_freq, rope_scale,
+                         s.num_heads, s.num_kv_heads)
+    o = decode_attention(q, cache.k[i], cache.v[i], positions).view(b, n, -1)
+    residual, h = add_rmsnorm(residual, attn.o_proj(o), block.post_attention_layernorm.weight,
+                              block.post_attention_layernorm.eps)
+    return residual, mlp.down_proj(silu_mul(_gate_up(mlp, h)))
+
+
+def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, cache,
+               inv_freq: torch.Tensor, rope_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(residual, pending delta) after ``blocks`` on input states ``x`` [B, n, d] (x is not
+    modified); the stream is ``residual + delta`` (delta None when there are no blocks)."""
+    residual, delta = x.contiguous(), None
+    positions = positions.contiguous()
+    for block in blocks:
+        residual, delta = block_step(block, residual, delta, positions, cache, inv_freq, rope_scale)
+    return residual, delta

@@ -1,0 +1,255 @@
+"""Fused decode layers (flashspec.models.fused) vs the reference layers, under the Triton
+interpreter on tiny shapes: each kernel, the whole model over mixed fused/reference steps, and
+greedy decoding through the engine (AR, n-gram, EAGLE drafting; eager and static-step paths)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.drafters.eagle import EagleDrafter, EagleModule
+from flashspec.engine import Arm, SpecEngine
+from flashspec.models import fused
+from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_rope
+
+H, HKV, D = 6, 2, 16            # GQA: 3 query heads per kv head
+CAP = 64
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def tiny_shape(layers: int = 2, bias: bool = False) -> LlamaShape:
+    return LlamaShape(vocab_size=96, hidden_size=48, intermediate_size=40, num_layers=layers,
+                      num_heads=H, num_kv_heads=HKV, head_dim=D, attention_bias=bias,
+                      max_positions=128)
+
+
+def inv_freq(theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
+
+
+def tiny_model(layers: int = 2, bias: bool = False, seed: int = 0) -> LlamaLM:
+    torch.manual_seed(seed)
+    model = LlamaLM(tiny_shape(layers, bias), inv_freq(), rope_scale=1.1)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, mean=1.0, std=0.2)
+        else:
+            torch.nn.init.normal_(p, std=1.0 if "embed" in name else 0.15)
+    return model.eval().requires_grad_(False)
+
+
+def ragged_positions(n: int) -> torch.Tensor:
+    """Row 0 starts at 5, row 1 ends at the last cache slot (CAP - 1)."""
+    return torch.stack([5 + torch.arange(n), CAP - n + torch.arange(n)])
+
+
+# ----------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rmsnorm_matches_reference(with_delta):
+    torch.manual_seed(0)
+    x, delta, w = torch.randn(2, 3, 48), torch.randn(2, 3, 48), 1 + 0.3 * torch.randn(48)
+    norm = RMSNorm(48, 1e-5)
+    norm.weight.data.copy_(w)
+    x0, d0 = x.clone(), delta.clone()
+    res, out = fused.add_rmsnorm(x, delta if with_delta else None, w, 1e-5)
+    want = x0 + d0 if with_delta else x0
+    torch.testing.assert_close(res, want, **TOL)
+    torch.testing.assert_close(out, norm(want), **TOL)
+    assert torch.equal(x, x0), "the input residual must not be modified"
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_rope_cache_write_matches_reference(n):
+    torch.manual_seed(n)
+    pos = ragged_positions(n)
+    qkv = torch.randn(2, n, (H + 2 * HKV) * D)
+    shape = tiny_shape()
+    ref, got = (KVCache([0], 2, CAP, shape, torch.float32, "cpu") for _ in range(2))
+    for c in (ref, got):
+        c.k.copy_(torch.arange(c.k.numel()).view_as(c.k) * 1e-3)
+        c.v.copy_(-c.k)
+    q = fused.rope_cache_write(qkv, pos, got.k[0], got.v[0], inv_freq(), 1.1, H, HKV)
+    freqs = pos[..., None].float() * inv_freq()
+    emb = torch.cat((freqs, freqs), -1)[:, None]
+    cos, sin = emb.cos() * 1.1, emb.sin() * 1.1
+    qr, kr, vr = qkv.split([H * D, HKV * D, HKV * D], -1)
+    q_ref = apply_rope(qr.view(2, n, H, D).transpose(1, 2), cos, sin).transpose(1, 2)
+    k_ref = apply_rope(kr.view(2, n, HKV, D).transpose(1, 2), cos, sin)
+    ref.write(0, k_ref, vr.view(2, n, HKV, D).transpose(1, 2), pos, CAP)
+    torch.testing.assert_close(q, q_ref, **TOL)
+    torch.testing.assert_close(got.k, ref.k, **TOL)
+    torch.testing.assert_close(got.v, ref.v, rtol=0, atol=0)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+                        ) -> torch.Tensor:
+    """SDPA over the whole cache with a bool mask (slot <= position), GQA by repeat."""
+    g = q.shape[2] // k.shape[1]
+    mask = (torch.arange(k.shape[2])[None, None, :] <= pos[:, :, None])[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(g, 1),
+                                         v.repeat_interleave(g, 1), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("n,block_m", [(1, None), (3, None), (5, None), (5, 16)])
+def test_decode_attention_matches_reference(n, block_m):
+    torch.manual_seed(10 + n)
+    pos = ragged_positions(n)
+    k, v = torch.randn(2, HKV, CAP, D), torch.randn(2, HKV, CAP, D)
+    for b in range(2):     # slots beyond a row's last position hold garbage nobody may see
+        k[b, :, int(pos[b, -1]) + 1:] = 50.0
+        v[b, :, int(pos[b, -1]) + 1:] = 1e4
+    q = torch.randn(2, n, H, D)
+    got = fused.decode_attention(q, k, v, pos, block_m=block_m)
+    torch.testing.assert_close(got, attention_reference(q, k, v, pos), **TOL)
+
+
+def test_decode_attention_per_query_causality():
+    """Each query sees exactly slots <= its own position (not the row's last one)."""
+    q, k, v = torch.randn(1, 3, H, D), torch.randn(1, HKV, CAP, D), torch.randn(1, HKV, CAP, D)
+    pos = torch.tensor([[7, 8, 9]])
+    got = fused.decode_attention(q, k, v, pos)
+    torch.testing.assert_close(got, attention_reference(q, k, v, pos), **TOL)
+    v2 = v.clone()
+    v2[:, :, 9] += 100.0                   # only the last query may see slot 9
+    got2 = fused.decode_attention(q, k, v2, pos)
+    torch.testing.assert_close(got2[:, :2], got[:, :2], rtol=0, atol=0)
+    assert (got2[:, 2] - got[:, 2]).abs().max() > 1e-3
+
+
+def test_silu_mul_matches_reference():
+    torch.manual_seed(3)
+    gu = 3 * torch.randn(2, 5, 2 * 40)
+    g, u = gu.chunk(2, -1)
+    torch.testing.assert_close(fused.silu_mul(gu), F.silu(g) * u, **TOL)
+
+
+# ----------------------------------------------------------------------------- weights
+def test_fuse_merges_weights_as_views_and_keeps_state_dict():
+    model = tiny_model(bias=True)
+    keys = set(model.state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.fuse()
+    assert model.fused and set(model.state_dict()) == keys
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.qkv_bias[(H + HKV) * D:].data_ptr()
+    assert model.layers[1].mlp.up_proj.weight.data_ptr() == \
+        model.layers[1].mlp.gate_up_weight[40:].data_ptr()
+    model.load_state_dict(before)         # loading copies through the views
+    assert fused._aliased(attn.qkv_weight, (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+
+
+# ----------------------------------------------------------------------------- model
+def run_steps(model: LlamaLM, use_fused: bool, layers: list[int] | None = None
+              ) -> tuple[list[torch.Tensor], KVCache]:
+    """A prefill of 20 tokens (reference path either way), then ragged steps of 1, 3, 5 tokens,
+    the last one ending at the cache's last slot."""
+    model.fused = use_fused
+    g = torch.Generator().manual_seed(5)
+    cache = model.new_cache(2, CAP, layers)
+    steps = [torch.arange(20).expand(2, 20), torch.tensor([[20], [13]]),
+             torch.tensor([[21, 22, 23], [14, 15, 16]]), ragged_positions(5)]
+    outs = []
+    for pos in steps:
+        toks = torch.randint(0, 96, pos.shape, generator=g)
+        with torch.inference_mode():
+            if layers is None:
+                outs.append(model(toks, pos, cache))
+            else:
+                outs.append(model.run_layers(model.embed_tokens(toks), pos, cache, layers))
+    model.fused = False
+    return outs, cache
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_model_matches_reference(bias):
+    model = tiny_model(bias=bias).fuse()
+    ref, ref_cache = run_steps(model, False)
+    got, got_cache = run_steps(model, True)
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache.k, ref_cache.k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_cache.v, ref_cache.v, rtol=1e-4, atol=1e-4)
+
+
+def test_replaced_weights_are_not_served_stale():
+    """A projection swapped after fuse() (no longer a view) is read directly, not merged."""
+    model = tiny_model().fuse()
+    attn = model.layers[1].self_attn
+    attn.k_proj.weight = torch.nn.Parameter(2 * attn.k_proj.weight, requires_grad=False)
+    model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(-model.layers[0].mlp.up_proj.weight,
+                                                             requires_grad=False)
+    ref, _ = run_steps(model, False)
+    got, _ = run_steps(model, True)
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_layer_subset_with_own_cache():
+    """Layer-skip drafting: a subset of layers with a cache holding only those layers."""
+    model = tiny_model(layers=3).fuse()
+    ref, _ = run_steps(model, False, layers=[0, 2])
+    got, _ = run_steps(model, True, layers=[0, 2])
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_path_when_not_usable():
+    model = tiny_model().fuse()
+    x, pos = torch.zeros(1, 17, 48), torch.arange(17)[None]
+    assert not fused.usable(x, pos, model.new_cache(1, CAP))        # too many tokens
+    assert not fused.usable(x[:, :4], pos[:, :4], None)              # no cache
+    assert fused.usable(x[:, :4], pos[:, :4], model.new_cache(1, CAP))
+
+
+# ----------------------------------------------------------------------------- engine
+def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(0, 96, (10,), generator=g).tolist()
+    return [(base * 4)[i:i + n] for i, n in enumerate(lengths)]
+
+
+def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -> list:
+    model.fused = use_fused
+    engine = SpecEngine(model, [arm], graphs=graphs)
+    rows = engine.generate(prompts(lengths), 10).rows
+    model.fused = False
+    return [(r.tokens, r.accept_hist) for r in rows]
+
+
+@pytest.mark.parametrize("kind,graphs,lengths", [("ar", False, (12, 7)), ("ngram", False, (25, 18)),
+                                                 ("ngram", True, (12, 7)), ("skip", False, (20, 17))])
+def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
+    model = tiny_model().fuse()
+    drafter = {"ar": None, "ngram": NgramDrafter(), "skip": ModelDrafter(model, [0], name="skip")}[kind]
+    arm = Arm(drafter, 0 if drafter is None else 3)
+    ref = generate(model, False, arm, graphs, lengths)
+    got = generate(model, True, arm, graphs, lengths)
+    assert got == ref
+    assert any(len(t) == 10 for t, _ in got)
+
+
+def test_eagle_drafter_fused_equals_reference():
+    model = tiny_model().fuse()
+    module = EagleModule(model.shape)
+    module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
+    drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
+    ref = generate(model, False, Arm(drafter, 2), False, (20, 18))
+    got = generate(model, True, Arm(drafter, 2), False, (20, 18))
+    assert got == ref
+
+
+def test_head_dim_scale_is_inverse_sqrt():
+    """Guards the softmax scale independently of SDPA's default."""
+    q, k, v = torch.randn(1, 1, H, D), torch.randn(1, HKV, CAP, D), torch.randn(1, HKV, CAP, D)
+    pos = torch.tensor([[3]])
+    got = fused.decode_attention(q, k, v, pos)
+    s = torch.einsum("hd,hsd->hs", q[0, 0], k[0].repeat_interleave(3, 0)[:, :4]) / math.sqrt(D)
+    want = torch.einsum("hs,hsd->hd", s.softmax(-1), v[0].repeat_interleave(3, 0)[:, :4])
+    torch.testing.assert_close(got[0, 0], want, **TOL)
