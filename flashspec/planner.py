@@ -17,7 +17,7 @@ it does not pay decodes as plain AR. ``objective='total'`` counts every live row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flashspec.errors import FlashSpecError
 
@@ -26,7 +26,7 @@ OBJECTIVES = ("makespan", "total")
 
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + α + ... + α^k: expected tokens a row commits when k drafts are verified."""
-    return sum(alpha ** j for j in range(k + 1))
+    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
@@ -68,23 +68,33 @@ class WidthPlanner:
         return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (k - lo) / (hi - lo)
 
     # ------------------------------------------------------------------ decisions
-    def plan(self, gamma: int, available: list[int], remaining: list[int]) -> int:
-        """k in 0..gamma for this step; ``available[i]``: drafts row i has, ``remaining[i]``:
-        its token budget left (0: finished)."""
-        if gamma <= 0 or max(available, default=0) == 0:
+    def plan(self, gamma: int, available: list[int] | Callable[[], list[int]],
+             remaining: list[int]) -> int:
+        """k in 0..gamma for this step; ``available[i]``: drafts row i has (or a function that
+        finds them: it is not called when even γ drafts on every row would not pay),
+        ``remaining[i]``: its token budget left (0: finished)."""
+        if gamma <= 0:
             return 0
         probes = sorted({0, max(1, gamma // 2), gamma})
         fresh = [k for k in probes if self.seen.get(k, 0) < self.explore]
-        if fresh:
-            return fresh[0]
+        if callable(available):
+            if not fresh and self._best(gamma, [gamma] * len(remaining), remaining) == 0:
+                return 0      # an upper bound: drafting is not worth looking up
+            available = available()
+        if max(available, default=0) == 0:
+            return 0
+        return fresh[0] if fresh else self._best(gamma, available, remaining)
+
+    def _best(self, gamma: int, available: list[int], remaining: list[int]) -> int:
         live = [i for i, r in enumerate(remaining) if r > 0]
         if self.objective == "makespan":
             top = max(remaining[i] for i in live)
             live = [i for i in live if remaining[i] >= top - gamma - 1]
-        rates = {i: self.alpha(i) for i in live}
+        rows = [(self.alpha(i), available[i]) for i in live if available[i] > 0]
+        idle = len(live) - len(rows)      # rows without drafts commit one token at any k
 
         def value(k: int) -> float:
-            tokens = sum(expected_tokens(rates[i], min(k, available[i])) for i in live)
+            tokens = idle + sum(expected_tokens(a, min(k, m)) for a, m in rows)
             return tokens / self.step_cost(k)
         return max(range(gamma + 1), key=lambda k: (value(k), -k))
 

@@ -21,12 +21,10 @@ if [ "$MODE" = part1 ]; then
   cp .device/gguf/part00 /dev/shm/part00
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.log"
   # fused decode layers vs reference (fp32 equality incl. engine greedy, bf16 replay timing)
-  timeout ${FUSED_TIMEOUT:-200} python3 scripts/gpu_fused_check.py 2>&1 | tee "$OUT/fused_check.log"
-  echo "${PIPESTATUS[0]}" > /dev/shm/fused_rc
-  FUSED=$([ "$(cat /dev/shm/fused_rc)" = 0 ] && echo --fused)
-  # step costs at scale: Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped drafter (random weights)
-  timeout ${SCALE_TIMEOUT:-150} python3 scripts/scale_timing.py --batch 1 8 $FUSED \
-      --out "$OUT/scale_timing.jsonl" 2>&1 | tail -30 | tee "$OUT/scale_timing.log"
+  if [ -n "$SKIP_FUSED_CHECK" ]; then echo 0 > /dev/shm/fused_rc; else
+    timeout ${FUSED_TIMEOUT:-200} python3 scripts/gpu_fused_check.py 2>&1 | tee "$OUT/fused_check.log"
+    echo "${PIPESTATUS[0]}" > /dev/shm/fused_rc
+  fi
   if [ -n "$SKIP_CHECK" ]; then echo 0 > /dev/shm/engine_check_rc; exit 0; fi
   timeout 150 python3 scripts/gpu_engine_check.py --quick --new 40 2>&1 | tee "$OUT/engine_check.log"
   echo "${PIPESTATUS[0]}" > /dev/shm/engine_check_rc
@@ -54,7 +52,7 @@ EAGLE="$BASE drafters=eagle_lowrank drafters.drafters.0.checkpoint=/dev/shm/smol
        drafters.gammas=[4] planner=goodput"
 ALL='experiment.methods=[ar,each_arm,spec,hf_generate,hf_compiled,hf_prompt_lookup]'
 OURS='experiment.methods=[ar,each_arm,spec]'
-one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32 | eagle_fp32 | eagle_he | eagle_mt
+one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32 | eagle_fp32 | eagle_he | eagle_mt | scale
   el "$1"
   case $1 in
     fp32) timeout 90 $RUN target.dtype=float32 dataset=humaneval dataset.n_prompts=4 "$OURS" \
@@ -62,12 +60,16 @@ one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32 | eagl
     he_b1) timeout 200 $RUN dataset=humaneval dataset.n_prompts=${N_HE:-6} "$ALL" output_dir=/tmp/runs/he_b1
            python3 scripts/greedy_check.py /tmp/runs/he_b1/records.jsonl ;;
     mt_b1) timeout 160 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-3} "$ALL" output_dir=/tmp/runs/mt_b1 ;;
+    mt_ours) timeout 90 $RUN dataset=mtbench dataset.n_prompts=${N_MT:-3} "$OURS" output_dir=/tmp/runs/mt_ours ;;
     he_ours) timeout 100 $RUN dataset=humaneval dataset.n_prompts=10 "$OURS" output_dir=/tmp/runs/he_ours ;;
     eagle_fp32) timeout 80 $EAGLE target.dtype=float32 dataset=humaneval dataset.n_prompts=3 "$OURS" \
             output_dir=/tmp/runs/eagle_fp32 && python3 scripts/greedy_check.py /tmp/runs/eagle_fp32/records.jsonl ;;
     eagle_he|eagle_mt) d=$([ $1 = eagle_he ] && echo humaneval || echo mtbench)
            timeout 100 $EAGLE dataset=$d dataset.n_prompts=${N_EAGLE:-8} "$OURS" output_dir=/tmp/runs/$1 ;;
-    he_b8|he_b32) b=${1#he_b}; timeout ${BATCH_TIMEOUT:-50} $RUN dataset=humaneval dataset.n_prompts=$b \
+    scale) # step costs at scale: Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped drafter (random weights)
+           timeout ${SCALE_TIMEOUT:-150} python3 scripts/scale_timing.py --batch 1 8 \
+             $([ $FUSED = true ] && echo --fused) --out /tmp/runs/scale_timing.jsonl | tail -40 ;;
+    he_b8|he_b32) b=${1#he_b}; timeout ${BATCH_TIMEOUT:-50} $RUN dataset=humaneval dataset.n_prompts=${N_BATCHED:-$b} \
            experiment.batch_size=$b "$OURS" output_dir=/tmp/runs/he_b$b ;;
   esac
 }

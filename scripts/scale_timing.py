@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashspec.drafters import NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
-from flashspec.models.loading import load_model  # noqa: E402
+from flashspec.models.loading import build, dummy_config  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8)
 
@@ -49,6 +49,15 @@ def cuda_ms(fn, n: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
+
+
+def dummy(source: str, dtype: torch.dtype, device: str, seed: int):
+    """A random-weight model of a named shape (``dummy:<shape>``); no tokenizer needed."""
+    torch.manual_seed(seed)
+    model = build(dummy_config(source.removeprefix("dummy:")), dtype, device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return model.eval()
 
 
 def verify_costs(target, batch: int, gamma: int, context: int) -> dict[int, float]:
@@ -105,9 +114,9 @@ def main() -> int:
         print("scale_timing needs a CUDA GPU (timings are GPU-only)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    dtype = "bfloat16" if a.device == "cuda" else "float32"
-    target, _ = load_model(a.target, dtype=dtype, device=a.device)
-    drafter, _ = load_model(a.drafter, dtype=dtype, device=a.device, seed=1)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    target = dummy(a.target, dtype, a.device, seed=0)
+    drafter = dummy(a.drafter, dtype, a.device, seed=1)
     if a.fused:
         target.fuse(), drafter.fuse()
     lines = [{"kind": "setup", "target": a.target, "drafter": a.drafter, "fused": a.fused,

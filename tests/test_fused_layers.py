@@ -148,7 +148,7 @@ def test_fuse_merges_weights_as_views_and_keeps_state_dict():
 # ----------------------------------------------------------------------------- model
 def run_steps(model: LlamaLM, use_fused: bool, layers: list[int] | None = None
               ) -> tuple[list[torch.Tensor], KVCache]:
-    """A prefill of 20 tokens (reference path either way), then ragged steps of 1, 3, 5 tokens,
+    """A prefill of 20 tokens, then ragged steps of 1, 3, 5 tokens,
     the last one ending at the cache's last slot."""
     model.fused = use_fused
     g = torch.Generator().manual_seed(5)
@@ -202,7 +202,8 @@ def test_fused_layer_subset_with_own_cache():
 
 def test_reference_path_when_not_usable():
     model = tiny_model().fuse()
-    x, pos = torch.zeros(1, 17, 48), torch.arange(17)[None]
+    n = fused.MAX_TOKENS + 1
+    x, pos = torch.zeros(1, n, 48), torch.arange(n)[None]
     assert not fused.usable(x, pos, model.new_cache(1, CAP))        # too many tokens
     assert not fused.usable(x[:, :4], pos[:, :4], None)              # no cache
     assert fused.usable(x[:, :4], pos[:, :4], model.new_cache(1, CAP))

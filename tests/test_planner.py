@@ -113,3 +113,16 @@ def test_planned_decoding_is_exact(batch):
     widths = {len(row.accept_hist) for row in got.rows}
     assert engine.planner.seen, "the planner made no decision"
     assert max(widths) >= 2, "the planner never speculated"
+
+
+def test_lookup_skipped_when_even_full_drafts_cannot_pay():
+    planner = WidthPlanner()
+    planner.reset(1)
+    warm(planner, {0: 1.0, 4: 3.0, 8: 5.0}, 8)
+    for _ in range(5):
+        planner.observe(8, 5.0, [8], [0], [True])
+    calls = []
+    assert planner.plan(8, lambda: calls.append(1) or [8], [100]) == 0
+    assert not calls, "the drafts were looked up although no width could pay"
+    planner.cost[8] = 1.0    # drafting is now free: the lookup is needed again
+    assert planner.plan(8, lambda: calls.append(1) or [8], [100]) > 0 and calls

@@ -57,9 +57,10 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
         self.index: dict[int, tuple[list[int], NgramIndex]] = {}   # row -> (its token list, index)
+        self._last: tuple | None = None
 
     def reset(self, batch: int, capacity: int) -> None:
-        self.index = {}
+        self.index, self._last = {}, None
 
     def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
         owner, index = self.index.get(b, (None, None))
@@ -68,10 +69,19 @@ class NgramDrafter(Drafter):
             self.index[b] = (tokens, index)
         return index.query(tokens, gamma)
 
+    def _found(self, state: DecodeState, gamma: int) -> list[list[int]]:
+        """Each row's continuation (<= gamma tokens); the last answer is reused while the rows
+        and γ are unchanged (the planner asks before proposing)."""
+        key = (tuple(state.lengths), tuple(state.finished), gamma)
+        if self._last is None or self._last[0] != key:
+            found = [[] if done else self._lookup(b, toks, gamma)
+                     for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
+            self._last = (key, found)
+        return self._last[1]
+
     def available(self, state: DecodeState, gamma: int) -> list[int]:
         """How many tokens each row would get (0 for finished or unmatched rows)."""
-        return [0 if done else len(self._lookup(b, toks, gamma))
-                for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
+        return [len(f) for f in self._found(state, gamma)]
 
     def features(self, state: DecodeState) -> dict[str, object]:
         """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
@@ -80,8 +90,12 @@ class NgramDrafter(Drafter):
 
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
-        found = [[] if done else self._lookup(b, toks, gamma)
-                 for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
+        last = self._last
+        if last is not None and last[0][:2] == (tuple(state.lengths), tuple(state.finished)) \
+                and last[0][2] >= gamma:   # a prefix of a longer lookup is the shorter lookup
+            found = [f[:gamma] for f in last[1]]
+        else:
+            found = self._found(state, gamma)
         width = max(len(f) for f in found)
         rows = [f + [f[-1] if f else toks[-1]] * (width - len(f))
                 for f, toks in zip(found, state.host_tokens)]

@@ -178,8 +178,8 @@ class LlamaLM(nn.Module):
         return KVCache(ids, batch, capacity, self.shape, self.dtype, self.device)
 
     def fuse(self, enabled: bool = True) -> "LlamaLM":
-        """Run cached steps of at most ``fused.MAX_TOKENS`` tokens per row (AR, verify, drafting)
-        through the fused decode kernels; longer steps (prefill) keep the reference layers.
+        """Run cached steps of at most ``fused.MAX_TOKENS`` tokens per row (AR, verify, drafting,
+        prefill) through the fused decode kernels; longer ones keep the reference layers.
 
         Merges q|k|v and gate|up weights once (the originals become views: call after loading
         and moving the model). Quantized (NF4) layers cannot be fused: the model stays as is.
