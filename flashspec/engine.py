@@ -181,15 +181,14 @@ class SpecEngine:
         if self.planner is None or arm.drafter is None or arm.gamma == 0:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
-        found: list[list[int]] = []
+        lookup = getattr(arm.drafter, "available", None)
 
-        def avail() -> list[int]:   # asked only when drafting might pay (n-gram: a lookup)
-            lookup = getattr(arm.drafter, "available", None)
-            found.append(lookup(state, arm.gamma) if lookup is not None
-                         else [arm.gamma if r else 0 for r in live])
-            return found[0]
+        def avail() -> list[int]:   # asked only when drafting might pay (n-gram: one lookup, kept)
+            return lookup(state, arm.gamma) if lookup is not None else [arm.gamma if r else 0 for r in live]
         k = self.planner.plan(arm.gamma, avail, live)
-        return Arm(arm.drafter if k else None, k), [min(k, a) for a in (found[0] if found else live)]
+        if k == 0:
+            return Arm(None, 0), [0] * state.batch
+        return Arm(arm.drafter, k), [min(k, a) for a in avail()]
 
     def _propose(self, state: DecodeState, arm: Arm) -> tuple[torch.Tensor, torch.Tensor | None]:
         if arm.drafter is None or arm.gamma == 0:

@@ -23,15 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
-from flashspec.models.loading import build, dummy_config  # noqa: E402
+from flashspec.models.loading import dummy_config, random_model  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
 
 
 def dummy_model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    torch.manual_seed(seed)
-    model = build(dummy_config("smollm2-135m"), dtype, device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
+    model = random_model(dummy_config("smollm2-135m"), dtype, device, seed, std=0.05)
     return model.eval().requires_grad_(False)
 
 

@@ -64,11 +64,8 @@ def model_config(tiny: bool):
 
 
 def dummy_model(a, dtype, seed: int = 0):
-    from flashspec.models.loading import build
-    torch.manual_seed(seed)
-    model = build(model_config(a.tiny), dtype, a.device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
+    from flashspec.models.loading import random_model
+    model = random_model(model_config(a.tiny), dtype, a.device, seed, std=0.05)
     return model.eval().requires_grad_(False).fuse()
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashspec.drafters import NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
-from flashspec.models.loading import build, dummy_config  # noqa: E402
+from flashspec.models.loading import dummy_config, random_model  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8)
 
@@ -53,11 +53,7 @@ def cuda_ms(fn, n: int = 50) -> float:
 
 def dummy(source: str, dtype: torch.dtype, device: str, seed: int):
     """A random-weight model of a named shape (``dummy:<shape>``); no tokenizer needed."""
-    torch.manual_seed(seed)
-    model = build(dummy_config(source.removeprefix("dummy:")), dtype, device)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    return model.eval()
+    return random_model(dummy_config(source.removeprefix("dummy:")), dtype, device, seed).eval()
 
 
 def verify_costs(target, batch: int, gamma: int, context: int) -> dict[int, float]:

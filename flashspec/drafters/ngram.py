@@ -70,19 +70,16 @@ class NgramDrafter(Drafter):
         return index.query(tokens, gamma)
 
     def _found(self, state: DecodeState, gamma: int) -> list[list[int]]:
-        """Each row's continuation (<= gamma tokens); the last answer is reused while the rows
-        and γ are unchanged (the planner asks before proposing)."""
-        key = (tuple(state.lengths), tuple(state.finished), gamma)
-        if not self._same_rows(state) or self._last[0] != key:
+        """Each row's continuation (<= gamma tokens). The answer for this state as it stands is
+        kept, so the planner's question and the proposal share one lookup (a shorter
+        continuation is a prefix of a longer one)."""
+        key = (tuple(state.lengths), tuple(state.finished))
+        last = self._last
+        if last is None or last[0] is not state or last[1] != key or last[2] < gamma:
             found = [[] if done else self._lookup(b, toks, gamma)
                      for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
-            self._last = (key, found, list(state.host_tokens))
-        return self._last[1]
-
-    def _same_rows(self, state: DecodeState) -> bool:
-        """Whether the last lookup was made on these very row lists (held, so ids stay unique)."""
-        rows = self._last[2] if self._last is not None else []
-        return len(rows) == state.batch and all(a is b for a, b in zip(rows, state.host_tokens))
+            self._last = last = (state, key, gamma, found)
+        return [f[:gamma] for f in last[3]]
 
     def available(self, state: DecodeState, gamma: int) -> list[int]:
         """How many tokens each row would get (0 for finished or unmatched rows)."""
@@ -95,12 +92,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
-        last = self._last
-        if self._same_rows(state) and last[0][:2] == (tuple(state.lengths), tuple(state.finished)) \
-                and last[0][2] >= gamma:   # a prefix of a longer lookup is the shorter lookup
-            found = [f[:gamma] for f in last[1]]
-        else:
-            found = self._found(state, gamma)
+        found = self._found(state, gamma)
         width = max(len(f) for f in found)
         rows = [f + [f[-1] if f else toks[-1]] * (width - len(f))
                 for f, toks in zip(found, state.host_tokens)]

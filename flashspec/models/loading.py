@@ -187,16 +187,23 @@ def source_config(source: str):
     return AutoConfig.from_pretrained(smollm2_dir() if source == "smollm2" else hf_dir(source))
 
 
+def random_model(config, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                 std: float = 0.02) -> LlamaLM:
+    """A native model of ``config``'s shape with N(0, std) weights drawn after seeding ``seed``."""
+    torch.manual_seed(seed)
+    model = build(config, dtype, device)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return model
+
+
 def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                quantization: str | None = None, seed: int = 0):
     """(model, tokenizer) for ``source``: 'smollm2', 'dummy:<shape>', a .gguf path, a dir or HF id."""
     from transformers import AutoConfig, AutoTokenizer
     dt = resolve_dtype(dtype)
     if source.startswith("dummy:"):
-        torch.manual_seed(seed)
-        model = build(dummy_config(source.split(":", 1)[1]), dt, device)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
+        model = random_model(dummy_config(source.split(":", 1)[1]), dt, device, seed)
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     else:
         directory = smollm2_dir() if source == "smollm2" else None
