@@ -153,6 +153,8 @@ class SpecEngine:
         for arm in self.arms:
             if arm.drafter is not None:
                 arm.drafter.reset(batch, capacity)
+        if self.graphs:
+            self._graph_drafters(batch)
         width = max(state.lengths) - 1
         if width > 0:  # prefill everything but the last prompt token
             toks, pos = state.window([0] * batch, width)
@@ -160,11 +162,23 @@ class SpecEngine:
             state.set_hidden(hidden, [0] * batch, [n - 1 for n in state.lengths])
         return state
 
+    def _graph_drafters(self, batch: int) -> None:
+        """Model drafters draft through CUDA graphs too (static buffers on a CPU), captured
+        for every γ' up to their arms' largest γ (the planner may verify fewer drafts)."""
+        capture = self.target.device.type == "cuda"
+        for drafter in self.drafters:
+            if hasattr(drafter, "use_graphs"):
+                drafter.use_graphs(capture)
+                gamma = max(a.gamma for a in self.arms if a.drafter is drafter)
+                drafter.prepare_graphs(batch, gamma, self.params, self.target.device)
+
     @property
     def capture_s(self) -> float:
-        """CUDA-graph capture time spent by this engine so far (all its step runners)."""
+        """CUDA-graph capture time spent by this engine so far (step runners and drafters)."""
         runner = self.step_runner.capture_s if self.step_runner is not None else 0.0
-        return self._retired_capture_s + runner
+        drafters = sum(d.graphs.capture_s for d in self.drafters
+                       if getattr(d, "graphs", None) is not None)
+        return self._retired_capture_s + runner + drafters
 
     def _step_widths(self) -> dict[int, bool]:
         """Verify widths the arms can produce -> whether a full-q (draft logits) step occurs."""

@@ -1,4 +1,5 @@
-"""The target's verify step as CUDA graphs: forward, head and (fused) verify in one replay.
+"""CUDA graphs of the decode steps: the target's verify step (forward, head and fused verify in
+one replay) and, through :class:`GraphCache`, a drafter's whole γ-token drafting.
 
 One graph per (batch, width, full q or one-hot): the step's inputs are copied into static
 buffers, the graph is replayed, and the engine reads the emitted tokens and counts once. The
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -120,14 +121,61 @@ class GraphedStep:
 
     def _capture(self, slot: _Slot) -> None:
         t0 = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run(slot)
-        torch.cuda.current_stream().wait_stream(side)
-        slot.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(slot.graph):
-            self._run(slot)
-        torch.cuda.synchronize()
+        slot.graph, _ = capture(lambda: self._run(slot))
         self.capture_s += time.perf_counter() - t0
+
+
+def capture(run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, outputs) of ``run`` after two eager warm-up runs on a side stream (they compute
+    exactly what a replay will, so they are harmless)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    torch.cuda.synchronize()
+    return graph, outputs
+
+
+@dataclass
+class _GraphSlot:
+    inputs: list[torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: Any = None
+
+
+class GraphCache:
+    """``fn(key, *inputs)`` replayed from one CUDA graph per key, on static copies of ``inputs``.
+
+    The outputs are the graph's own buffers: read them before the next call with the same key.
+    ``capture=False`` (CPU) runs ``fn`` eagerly on the static copies: the same code path.
+    """
+
+    def __init__(self, fn: Callable[..., Any], capture: bool) -> None:
+        self.fn, self.capture = fn, capture
+        self.slots: dict[Hashable, _GraphSlot] = {}
+        self.capture_s = 0.0
+
+    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> Any:
+        slot = self.slots.get(key)
+        if slot is None:
+            slot = self.slots[key] = _GraphSlot([x.clone() for x in inputs])
+        else:
+            for static, x in zip(slot.inputs, inputs):
+                static.copy_(x, non_blocking=True)
+        if not self.capture:
+            return self.fn(key, *slot.inputs)
+        if slot.graph is None:
+            t0 = time.perf_counter()
+            slot.graph, slot.outputs = capture(lambda: self.fn(key, *slot.inputs))
+            self.capture_s += time.perf_counter() - t0
+        slot.graph.replay()
+        return slot.outputs
+
+    def clear(self) -> None:
+        """Drop every graph (their buffers point at state that is being replaced)."""
+        self.slots.clear()

@@ -91,12 +91,19 @@ class WidthPlanner:
             top = max(remaining[i] for i in live)
             live = [i for i in live if remaining[i] >= top - gamma - 1]
         rows = [(self.alpha(i), available[i]) for i in live if available[i] > 0]
-        idle = len(live) - len(rows)      # rows without drafts commit one token at any k
-
-        def value(k: int) -> float:
-            tokens = idle + sum(expected_tokens(a, min(k, m)) for a, m in rows)
-            return tokens / self.step_cost(k)
-        return max(range(gamma + 1), key=lambda k: (value(k), -k))
+        # value(k) = Σ_rows E_i[tokens | k] / cost(k), built up k by k: row i adds a_i^k while
+        # it has k drafts (rows without drafts commit one token at any k); ties keep the smaller k
+        tokens, power = float(len(live)), [1.0] * len(rows)
+        best, best_value = 0, tokens / self.step_cost(0)
+        for k in range(1, gamma + 1):
+            for r, (a, m) in enumerate(rows):
+                if m >= k:
+                    power[r] *= a
+                    tokens += power[r]
+            value = tokens / self.step_cost(k)
+            if value > best_value:
+                best, best_value = k, value
+        return best
 
     def observe(self, k: int, step_s: float, real: list[int], accepted: list[int],
                 live: list[bool]) -> None:

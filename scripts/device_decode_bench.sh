@@ -26,7 +26,8 @@ if [ "$MODE" = part1 ]; then
     echo "${PIPESTATUS[0]}" > /dev/shm/fused_rc
   fi
   if [ -n "$SKIP_CHECK" ]; then echo 0 > /dev/shm/engine_check_rc; exit 0; fi
-  timeout 150 python3 scripts/gpu_engine_check.py --quick --new 40 2>&1 | tee "$OUT/engine_check.log"
+  timeout ${CHECK_TIMEOUT:-150} python3 scripts/gpu_engine_check.py ${CHECK_ARGS:---quick} --new 40 2>&1 \
+    | tee "$OUT/engine_check.log"
   echo "${PIPESTATUS[0]}" > /dev/shm/engine_check_rc
   exit 0
 fi

@@ -121,7 +121,9 @@ def main() -> int:
         outs = {(b, g): run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7,
                                        graphs=g), 4, a.new)[0]
                 for b in ("torch", "triton") for g in (False, True)}
-        same = len({str(v) for v in outs.values()}) == 1
+        # graphs=True drafts with counter-based Gumbel-max (graph-safe), graphs=False with the
+        # torch generator: the backends must agree within each mode
+        same = all(outs[("torch", g)] == outs[("triton", g)] for g in (False, True))
         ok &= same
         print(json.dumps({"check": "sampled_backends_identical", "top_k": params.top_k,
                           "equal": same, "variants": [f"{b}/graphs={g}" for b, g in outs]}), flush=True)

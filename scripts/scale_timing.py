@@ -3,8 +3,9 @@
 drafter with random weights (bf16, one GPU), timed as the engine runs them.
 
 Random weights make acceptance meaningless, so this measures only costs: the target's verify
-step (CUDA-graph replay of flashspec.graphs.GraphedStep) at widths 1..γ+1, and one drafter
-forward of one token per row (eager, as ModelDrafter runs it). The speedup a real pair would
+step (CUDA-graph replay of flashspec.graphs.GraphedStep) at widths 1..γ+1, one drafter
+forward of one token per row run eagerly, and ModelDrafter's whole γ-token drafting replayed
+as one CUDA graph (flashspec.graphs.GraphCache), per drafted token. The speedup a real pair would
 get is then predicted from stated acceptance rates α (i.i.d. per token):
 
     speedup(α, γ) = (1 - α^(γ+1)) / (1 - α) · T_verify(1) / (γ · T_draft + T_verify(γ + 1))
@@ -25,9 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flashspec.drafters import NgramDrafter  # noqa: E402
+from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
 from flashspec.models.loading import dummy_config, random_model  # noqa: E402
+from flashspec.verify import SamplingParams  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8)
 
@@ -82,13 +84,33 @@ def draft_cost(drafter, batch: int, context: int) -> float:
     return cuda_ms(lambda: drafter.logits(drafter.forward_hidden(tok, pos, cache, span=context + 1)))
 
 
-def predictions(t_verify: dict[int, float], t_draft: float, batch: int) -> list[dict]:
+def graphed_draft_cost(model, batch: int, context: int, gamma: int) -> float:
+    """ms per drafted token of ModelDrafter's γ-token drafting replayed as one CUDA graph."""
+    drafter = ModelDrafter(model, name="draft")
+    drafter.reset(batch, context + 64)
+    dev = model.device
+    pos = torch.arange(context, device=dev).expand(batch, context)
+    model.forward_hidden(pos % 1000, pos, drafter.cache, span=context)
+    drafter.use_graphs(capture=dev.type == "cuda")
+    tok = torch.ones(batch, 1, dtype=torch.long, device=dev)
+    at = torch.full((batch, 1), context, device=dev)
+    args = (tok, at, torch.zeros(batch, dtype=torch.long, device=dev), at[:, 0],
+            torch.zeros((), dtype=torch.long, device=dev))
+    key = (batch, 1, gamma, SamplingParams())
+    drafter.graphs(key, *args)
+    slot = drafter.graphs.slots[key]
+    run = slot.graph.replay if slot.graph is not None else (lambda: drafter.graphs(key, *args))
+    return cuda_ms(run) / gamma
+
+
+def predictions(t_verify: dict[int, float], t_draft: float, batch: int, how: str) -> list[dict]:
     rows = []
     for alpha in ALPHAS:
         for gamma in range(1, len(t_verify)):
             tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
             step = gamma * t_draft + t_verify[gamma + 1]
             rows.append({"kind": "predicted", "batch": batch, "alpha": alpha, "gamma": gamma,
+                         "drafting": how,
                          "tau": round(tokens, 3), "step_ms": round(step, 3),
                          "speedup": round(tokens * t_verify[1] / step, 3)})
     return rows
@@ -122,9 +144,12 @@ def main() -> int:
     for batch in a.batch:
         t_verify = verify_costs(target, batch, a.gamma, a.context)
         t_draft = draft_cost(drafter, batch, a.context)
+        t_graph = graphed_draft_cost(drafter, batch, a.context, a.gamma)
         lines.append({"kind": "measured", "batch": batch, "draft_ms": round(t_draft, 3),
+                      "draft_graphed_ms_per_token": round(t_graph, 3),
                       "verify_ms": {w: round(t, 3) for w, t in t_verify.items()}})
-        lines += predictions(t_verify, t_draft, batch)
+        lines += predictions(t_verify, t_draft, batch, "eager")
+        lines += predictions(t_verify, t_graph, batch, "graphed")
         torch.cuda.empty_cache()
     for line in lines:
         print(json.dumps(line), flush=True)

@@ -73,6 +73,26 @@ def test_greedy_speculative_equals_target(smol, prompts, reference, drafter, bat
     assert tau >= 1.8, f"trained drafter accepts too little (tau={tau:.2f}); checkpoint broken?"
 
 
+@needs_ckpt
+def test_static_drafting_equals_eager_drafting(smol, prompts, reference, drafter):
+    """graphs=True drafts through GraphCache (CUDA graphs on a GPU; the same static-buffer code
+    eagerly here): greedy output equals the target's and every step accepts what eager
+    drafting accepts, including the γ' < γ shapes and the first (long, eager) window."""
+    model, tok = smol
+    eager = SpecEngine(model, [Arm(drafter, 3)], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
+    drafter.graphs = None
+    engine = SpecEngine(model, [Arm(drafter, 3), Arm(drafter, 2)], Alternate(),
+                        eos_ids=[tok.eos_token_id], graphs=True)
+    static = engine.generate(prompts, N_NEW)
+    assert [r.tokens for r in static.rows] == reference
+    assert {k[1:3] for k in drafter.graphs.slots} >= {(1, 3), (2, 2), (1, 2)}
+    drafter.graphs = None
+    solo = SpecEngine(model, [Arm(drafter, 3)], eos_ids=[tok.eos_token_id], graphs=True)
+    assert [r.accept_hist for r in solo.generate(prompts, N_NEW).rows] == [
+        r.accept_hist for r in eager.rows]
+    drafter.graphs = None
+
+
 class Alternate:
     """Policy that switches arms every step: the eagle drafter misses every other target step."""
 

@@ -37,11 +37,13 @@ def small(tmp_path_factory):
 
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
-                 policy=None) -> np.ndarray:
+                 policy=None, graphs: bool = False) -> np.ndarray:
     """N rows × NEW tokens from the engine, in chunks of identical prompts."""
     out = []
     for c in range(N // CHUNK):
-        engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c)
+        engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
+                            graphs=graphs)
+        engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
         rows = engine.generate([prompt] * CHUNK, NEW).rows
         out.append(np.array([r.tokens[:NEW] for r in rows]))
     return np.concatenate(out)
@@ -66,20 +68,25 @@ def arms_for(model, kind: str) -> list[Arm]:
         return [Arm(EagleDrafter.from_spec({"name": "eagle", "checkpoint": str(EAGLE)}, model), 2)]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
-    return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
+    return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip],
+            "layerskip_static": [skip]}[kind]
 
 
 EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr72.safetensors"
 
 
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
-                                                    ("eagle", 1.0, 0)])
+                                                    ("eagle", 1.0, 0),
+                                                    ("layerskip_static", 1.0, 0)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
+    """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
+    by counter-based Gumbel-max) run eagerly on the CPU."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     arms = arms_for(model, kind)
     policy = make_policy("ucb1", len(arms), seed=0) if kind == "bandit" else None
-    spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy)
+    spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
+                        graphs=kind.endswith("_static"))
     ar = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]

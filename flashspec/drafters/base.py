@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec.verify.sampling import SamplingParams
+from flashspec.graphs import GraphCache
+from flashspec.verify.sampling import SamplingParams, gumbel_sample, sample
 
 
 @dataclass
@@ -72,3 +73,75 @@ class Drafter:
     def features(self, state: DecodeState) -> dict[str, object]:
         """Cheap facts about the next step a context-conditioned bandit may read (past only)."""
         return {}
+
+
+class GraphedDrafting:
+    """Mixin of model drafters: all γ drafting steps as one device function that a CUDA graph
+    can record (:class:`flashspec.graphs.GraphCache`).
+
+    The subclass implements ``_draft(tokens, positions, last_idx, last_pos, gamma, params,
+    generator, seed, span)``: a catch-up window [B, w] whose column ``last_idx[b]`` is row b's
+    last committed token, then γ drafts at positions ``last_pos[b] + i``. ``span`` None attends
+    the whole cache (what a graph needs); ``seed`` (a device scalar) makes sampling counter-based
+    (Gumbel-max), else the torch ``generator`` samples. Windows longer than γ + 1 (the first
+    step after a prompt) always run eagerly.
+    """
+
+    graphs: GraphCache | None = None
+
+    def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
+               last_pos: torch.Tensor, gamma: int, params: SamplingParams,
+               generator: torch.Generator | None, seed: torch.Tensor | None, span: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def use_graphs(self, capture: bool) -> None:
+        """Draft through static buffers from now on (CUDA graphs when ``capture``)."""
+        if self.graphs is None or self.graphs.capture != capture:
+            self.graphs = GraphCache(self._replayed, capture)
+
+    def prepare_graphs(self, batch: int, gamma: int, params: SamplingParams,
+                       device: torch.device) -> None:
+        """Capture every (γ' <= γ, window <= γ' + 1) drafting shape up front (the cold start).
+        Dummy windows write drafter cache slots that a prompt rewrites before they are read."""
+        if self.graphs is None or not self.graphs.capture:
+            return
+        for g in range(1, gamma + 1):
+            for w in range(1, g + 2):
+                if (batch, w, g, params) in self.graphs.slots:
+                    continue
+                pos = torch.arange(w, device=device).expand(batch, w).contiguous()
+                last = torch.full((batch,), w - 1, dtype=torch.long, device=device)
+                seed = torch.zeros((), dtype=torch.long, device=device)
+                self.graphs((batch, w, g, params), pos, pos, last, last + 1, seed)
+
+    def _replayed(self, key: tuple, tokens: torch.Tensor, positions: torch.Tensor,
+                  last_idx: torch.Tensor, last_pos: torch.Tensor, seed: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, gamma, params = key
+        return self._draft(tokens, positions, last_idx, last_pos, gamma, params, None,
+                           None if params.greedy else seed, None)
+
+    def _drafts(self, state: DecodeState, starts: list[int], width: int, gamma: int,
+                params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts and their logits from the window of ``width`` tokens at ``starts``."""
+        dev = state.device
+        tokens, positions = state.window(starts, width)
+        last_idx = torch.tensor([n - 1 - s for n, s in zip(state.lengths, starts)], device=dev)
+        last_pos = torch.tensor(state.lengths, device=dev)
+        if self.graphs is None or width > gamma + 1:
+            return self._draft(tokens, positions, last_idx, last_pos, gamma, params, generator,
+                               None, max(state.lengths))
+        seed = (torch.zeros((), dtype=torch.long, device=dev) if params.greedy else
+                torch.randint(0, 1 << 31, (), device=dev, generator=generator))
+        return self.graphs((state.batch, width, gamma, params), tokens, positions, last_idx,
+                           last_pos, seed)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+         seed: torch.Tensor | None, step: int) -> torch.Tensor:
+    """One draft token per row: from ``generator``, or counter-based from a device ``seed``."""
+    if seed is None:
+        return sample(logits, params, generator)[0]
+    return gumbel_sample(logits, params, seed, step)[0]

@@ -22,11 +22,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting, draw
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import Block, KVCache, Linear, LlamaLM, LlamaShape, RMSNorm
 from flashspec.matmul import linear
-from flashspec.verify.sampling import SamplingParams, sample
+from flashspec.verify.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class CastHead(nn.Module):
         return linear(h.to(self.weight.dtype), self.weight)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(GraphedDrafting, Drafter):
     """Drafts γ tokens per row from the target's features with an :class:`EagleModule`."""
 
     uses_hidden = True
@@ -146,6 +146,8 @@ class EagleDrafter(Drafter):
             self.cache = self.module.new_cache(batch, capacity, dt, dev)
             self.feats = torch.zeros(batch, capacity + 2, self.target.shape.hidden_size,
                                      dtype=dt, device=dev)
+            if self.graphs is not None:
+                self.graphs.clear()
         self.feats.zero_()
         self.filled, self.known = [0] * batch, [0] * batch
 
@@ -165,7 +167,9 @@ class EagleDrafter(Drafter):
                       zip(self.known, state.hidden_start, state.hidden_valid)]
 
     def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             span: int) -> torch.Tensor:
+             span: int | None) -> torch.Tensor:
+        """Predicted features of a window; ``span`` None attends the whole cache."""
+        span = self.cache.capacity if span is None else span
         embeds = self.target.embed_tokens(tokens)
         if getattr(self.target, "fused", False):   # the target's fused decode layers are on
             from flashspec.models.fused import usable
@@ -188,21 +192,27 @@ class EagleDrafter(Drafter):
                                  "must be reset by the engine before the prompt's prefill")
         width = max(1, max(n - f for n, f in zip(lengths, self.filled)))
         starts = [max(0, n - width) for n in lengths]
-        tokens, positions = state.window(starts, width)
+        drafts, logits = self._drafts(state, starts, width, gamma, params, generator)
+        self.filled = list(lengths)  # speculative slots used predicted features: never valid
+        return drafts, logits
+
+    def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
+               last_pos: torch.Tensor, gamma: int, params: SamplingParams,
+               generator: torch.Generator | None, seed: torch.Tensor | None, span: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device part of ``propose`` (see :class:`GraphedDrafting`)."""
         feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
-        out = self._run(feats, tokens, positions, max(lengths))
-        rows = torch.arange(state.batch, device=state.device)
-        h = out[rows, torch.tensor([n - 1 - s for n, s in zip(lengths, starts)], device=state.device)]
-        last = torch.tensor(lengths, device=state.device)[:, None]
+        out = self._run(feats, tokens, positions, span)
+        h = out[torch.arange(tokens.shape[0], device=tokens.device), last_idx]
         drafts, draft_logits = [], []
         for i in range(gamma):
             logits = self.head(h)
-            tok, _ = sample(logits, params, generator)
+            tok = draw(logits, params, generator, seed, i)
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:
-                h = self._run(h[:, None], tok[:, None], last + i, max(lengths) + i + 1)[:, 0]
-        self.filled = list(lengths)  # speculative slots used predicted features: never valid
+                h = self._run(h[:, None], tok[:, None], (last_pos + i)[:, None],
+                              None if span is None else span + i + 1)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:

@@ -72,3 +72,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     flat = logp.reshape(-1, logp.shape[-1]).exp()
     tok = torch.multinomial(flat, 1, generator=generator).reshape(logp.shape[:-1])
     return tok, logp
+
+
+def gumbel_sample(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` without a torch generator: Gumbel-max with counter-based uniforms of (device
+    seed, stream = row * 64 + step), so a CUDA graph can replay it with a new seed."""
+    from flashspec.verify import rng
+    logp = warp_logprobs(logits, params)
+    if params.greedy:
+        return logp.argmax(dim=-1), logp
+    flat = logp.reshape(-1, logp.shape[-1])
+    rows = torch.arange(flat.shape[0], device=flat.device)
+    u = rng.uniform(seed, rows[:, None] * 64 + step, torch.arange(flat.shape[1], device=flat.device))
+    tok = (flat - torch.log(-torch.log(u))).argmax(dim=-1)
+    return tok.reshape(logp.shape[:-1]), logp
