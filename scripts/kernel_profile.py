@@ -6,7 +6,7 @@ a bandwidth reference: torch's ``amax`` over the same logits. Whole calls are ti
 event pair around all launches, flushed first). Every geometry's tokens are checked against the
 reference. GPU only.
 
-    python scripts/kernel_profile.py --out DIR [--shapes 64,4,128256 ...] [--quick]
+    python scripts/kernel_profile.py --out DIR [--shapes 64,4,128256 ...] [--quick | --default-only]
 """
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def per_kernel(slot: tb._Slot, args: tuple, tail: tuple, flush: torch.Tensor, it
     return out
 
 
+def race_geometries() -> list[tb.Plan]:
+    """Pass-2 (race) geometries at the default pass-1 geometry of large batches."""
+    return [tb.Plan(1, 8192, 1024, rc, rb, 4, rw, fused=False)
+            for rc, rb, rw in itertools.product((1024, 2048, 4096, 8192), (256, 512, 1024), (4, 8))
+            if rb <= rc]
+
+
 def geometries(quick: bool) -> list[tb.Plan]:
     """Launch geometries to compare (the default plan is added per shape)."""
     chunks = (4096, 8192, 16384) if quick else (2048, 4096, 8192, 16384)
@@ -98,7 +105,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shapes", nargs="*", default=["64,4,128256", "64,8,128256"])
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="a smaller geometry sweep")
+    ap.add_argument("--default-only", action="store_true", help="only the default plan")
+    ap.add_argument("--race-only", action="store_true", help="sweep pass-2 geometries only")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     flush = torch.empty(FLUSH // 4, dtype=torch.float32, device="cuda")
@@ -108,8 +117,9 @@ def main() -> int:
             fh.flush()
             print(json.dumps(rec), flush=True)
         for s in a.shapes:
-            profile_shape(tuple(int(t) for t in s.split(",")), geometries(a.quick), a.iters,
-                          flush, log)
+            plans = ([] if a.default_only else race_geometries() if a.race_only
+                     else geometries(a.quick))
+            profile_shape(tuple(int(t) for t in s.split(",")), plans, a.iters, flush, log)
     return 0
 
 

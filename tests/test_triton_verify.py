@@ -308,3 +308,131 @@ def test_race_tile_skipping_many_tiles(full_q):
             ref = reference.verify(x, drafts, q, params, seed)
             got = tb.launch(x, drafts, q, params, seed, geometry=plan)
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+# ------------------------------------------------------------------ race start values
+RACE_PLAN = tb.Plan(rows=1, chunk=1024, block=256, rchunk=512, rblock=128, warps=4, rwarps=4)
+
+
+def _rejected_at_zero(vocab: int, batch: int = 2, gamma: int = 1, x_tok: int = 1):
+    """Logits whose first draft (token x_tok, one-hot q) has p = 0: rejected for sure, so the
+    race runs over the residual, which is p without x_tok."""
+    x = torch.full((batch, gamma + 1, vocab), float("-inf"))
+    drafts = torch.full((batch, gamma), x_tok, dtype=torch.long)
+    return x, drafts
+
+
+def _same_both_merges(x, drafts, q, params, seed):
+    """Reference == kernels, with the race's finish fused and as its own launch."""
+    x, drafts = x.to(DEVICE), drafts.to(DEVICE)
+    q = None if q is None else q.to(DEVICE)
+    for fuse_finish in (True, False):
+        old = tb.FUSE_FINISH
+        tb.FUSE_FINISH = fuse_finish
+        try:
+            ref = reference.verify(x, drafts, q, params, seed)
+            for fused in (True, False):
+                got = tb.launch(x, drafts, q, params, seed, geometry=RACE_PLAN, fused=fused)
+                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (
+                    ref, got, fuse_finish, fused)
+        finally:
+            tb.FUSE_FINISH = old
+    return ref
+
+
+@pytest.mark.parametrize("full_q", [False, True])
+def test_race_start_is_the_winner(full_q):
+    """A dominant token that is its chunk's argmax of p: the start value is (just below) the
+    winning key itself, so every other tile is skipped and the winner must still replace it."""
+    vocab = 3000
+    gen = torch.Generator().manual_seed(31)
+    x, drafts = _rejected_at_zero(vocab, batch=3)
+    x[:] = torch.randn(3, 2, vocab, generator=gen)
+    x[:, 0, 1] = float("-inf")                           # the draft token: p = 0
+    x[:, :, 2222] = 40.0
+    q = None
+    if full_q:
+        q = x[:, :1].clone()
+        q[:, 0, 1] = 5.0
+        q[:, 0, 2222] = 30.0                             # p > q at the winner
+    for seed in range(4):
+        for temp in (1.0, 0.5):
+            ref = _same_both_merges(x, drafts, q, SamplingParams(temperature=temp), seed)
+            assert (ref[0][:, 0] == 2222).all()
+
+
+def _u_collision(vocab: int, min_gap: int) -> tuple[int, int, int]:
+    """(seed, v1, v2): v1 < v2 - min_gap with equal race uniforms at row 0, position 0."""
+    idx = torch.arange(vocab)
+    for seed in range(200):
+        u = rng.uniform(seed, torch.tensor(0), idx)
+        order = torch.argsort(u, stable=True)
+        su = u[order]
+        for k in torch.nonzero(su[1:] == su[:-1]).flatten().tolist():
+            v1, v2 = sorted((int(order[k]), int(order[k + 1])))
+            if v2 - v1 > min_gap:
+                return seed, v1, v2
+    raise AssertionError("no collision found")
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.5])
+def test_race_exact_tie_takes_first_index(temp):
+    """Two tokens with equal p and equal uniforms (an exact key tie), in different chunks,
+    both chunk argmaxes (so the start value ties them too): the first index wins."""
+    vocab = 6000
+    seed, v1, v2 = _u_collision(vocab, 1100)
+    x, drafts = _rejected_at_zero(vocab, batch=2)
+    x[:, :, [v1, v2]] = 0.0
+    x[:, 1, 5] = 1.0
+    ref = _same_both_merges(x, drafts, None, SamplingParams(temperature=temp), seed)
+    assert int(ref[0][0, 0]) == v1
+
+
+def test_race_empty_residual_many_chunks():
+    """q >= p wherever p > 0 (up to rounding), several chunks, one holding only -inf: the
+    residual is empty and the start values must not hide the fallback to p."""
+    vocab = 3000
+    x = torch.full((1, 2, vocab), float("-inf"))
+    x[0, :, 10] = 0.0
+    x[0, 0, 2500] = -200.0
+    q = x[:, :1].clone()
+    q[0, 0, 2500] = -199.0
+    drafts = torch.tensor([[2500]])
+    seen = set()
+    for seed in range(12):
+        ref = _same_both_merges(x, drafts, q, SamplingParams(temperature=1.0), seed)
+        seen.add((int(ref[1][0]), int(ref[0][0, 0])))
+    assert (0, 10) in seen                               # rejected, residual empty -> token 10
+
+
+def _race_partials(batch: int, gamma: int, vocab: int, plan: tb.Plan) -> torch.Tensor:
+    """The race's per-chunk partials [4, B, NCR] (key, index, fallback key, index) of the
+    cached workspace of a launch with ``plan`` (see triton_kernels._layout)."""
+    slot = next(s for k, s in tb._SLOTS.items() if k[1:4] == (batch, gamma, vocab)
+                and s.plan == plan)
+    nc, ncr = slot.nc, slot.ncr
+    r, rq = batch * (gamma + 1), batch * gamma
+    race = 3 * r * nc + 2 * rq * nc + int(K.N_ROWSTAT.value) * batch + r + rq
+    return slot.ws[race:race + 4 * batch * ncr].view(4, batch, ncr).cpu()
+
+
+def test_race_start_skips_most_chunks():
+    """Peaked (LLM-like) rows: most race chunks never beat their start value (they report it
+    with BIG_IDX), the chunk that holds the winner does, and tokens match the reference."""
+    batch, gamma, vocab = 6, 2, 20000
+    gen = torch.Generator().manual_seed(5)
+    x, drafts, q = make_case(gen, batch, gamma, vocab, 1.0, True, torch.float32, 8.0, 0.0,
+                             False)
+    params = SamplingParams(temperature=1.0)
+    ref = reference.verify(x, drafts, q, params, 3)
+    got = tb.launch(x, drafts, q, params, 3, geometry=RACE_PLAN, fused=False)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    k, i, fk, fi = _race_partials(batch, gamma, vocab, RACE_PLAN)
+    big = float(K.BIG_IDX.value)
+    for b in range(batch):
+        win = int(ref[0][b, int(ref[1][b])])
+        c = int(k[b].argmax())
+        assert int(i[b, c]) == win or not torch.isfinite(k[b, c])
+        start = k[b][i[b] == big]
+        assert (start < k[b, c]).all() and (start == start.max()).all()   # one start value
+        assert (i[b] == big).float().mean() > 0.8

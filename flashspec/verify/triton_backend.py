@@ -49,6 +49,10 @@ INTERPRET = type(K.stats_kernel).__name__ == "InterpretedFunction"
 # None lets the plan choose (fused up to FUSE_MAX_BATCH rows; fused in the interpreter).
 FUSED: bool | None = None
 FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
+# The race's last program per row group picks the winners at every batch size (finish_kernel
+# only when False and the merges are not fused): the finish is a few loads per row, cheaper
+# as the tail of the race (one atomic per race program) than as its own launch.
+FUSE_FINISH = True
 # Launch the cached compiled kernels directly (CompiledKernel[grid](...)), skipping Triton's
 # argument binder on every call after the first of a shape. Opt-in: it relies on Triton's
 # launcher convention (all parameters, constexprs included, in signature order).
@@ -101,9 +105,9 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
     """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM (each program
     streams its p and q tiles with one 16-byte load per lane per tile); pass-2 chunks as large
-    as still give 2 programs per SM, in 512-element tiles (more tiles per program, more tiles
-    whose precise race keys are skipped); fused merges only at small batch. Interpreter: few,
-    big programs."""
+    as still give 2 programs per SM, in 512-element tiles (each program repeats the race
+    prologue, NC candidate keys, while its start value skips tiles regardless of the chunk
+    size); fused merges only at small batch. Interpreter: few, big programs."""
     if interpret:
         block = min(_next_pow2(vocab), 32768)
         rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
@@ -229,16 +233,18 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     cnt = torch.zeros(2 * n_groups, dtype=torch.int32, device=device)
     slot = _Slot(p, fused, nc, ncr, ws, cnt)
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
+    fuse_finish = fused or FUSE_FINISH
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
-        common, BLOCK=p.block, RCHUNK=p.rchunk, NC_P2=_bucket(nc), **flags, FUSED=fused,
-        UNROLL=batch <= FUSE_MAX_BATCH, INTERPRET=INTERPRET), p.warps))
+        common, BLOCK=p.block, RCHUNK=p.rchunk, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
+        **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
-            common, RCHUNK=p.rchunk, NC_P2=_bucket(nc), **flags, INTERPRET=INTERPRET), 4))
+            common, RCHUNK=p.rchunk, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1), **flags,
+            INTERPRET=INTERPRET), 4))
     slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
-        common, RCHUNK=p.rchunk, RBLOCK=p.rblock, NCR_P2=_bucket(ncr), **flags, FUSED=fused,
-        INTERPRET=INTERPRET), p.rwarps))
-    if not fused:
+        common, RCHUNK=p.rchunk, RBLOCK=p.rblock, NC_P2=_bucket(nc), NCR_P2=_bucket(ncr),
+        **flags, FUSED=fuse_finish, INTERPRET=INTERPRET), p.rwarps))
+    if not fuse_finish:
         slot.launches.append(("finish", K.finish_kernel, (n_groups, 1, 1), dict(
             common, RCHUNK=p.rchunk, NCR_P2=_bucket(ncr)), 4))
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -302,8 +308,8 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                                                                   seed_ptr)
     t_sb, d_sb = tgt.stride(0), drf.stride(0)
     key = (device, batch, gamma, vocab, tgt.dtype, drf.dtype, t_sb, d_sb, tok.dtype, has_q,
-           top_k, temp_ptr.dtype if temperature is not None else None, fused, FUSED, geometry,
-           direct)
+           top_k, temp_ptr.dtype if temperature is not None else None, fused, FUSED, FUSE_FINISH,
+           geometry, direct)
     slot = _SLOTS.get(key)
     if slot is None:
         p = geometry or plan(batch, gamma, vocab)

@@ -6,12 +6,18 @@ Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, posit
    (temperature applied, top-k mask applied) and the first argmax of p, and the same (no
    argmax) of q in the same program: the p and q tiles are loaded before any arithmetic, every
    lane keeps running statistics over the chunk's tiles and the block reduces once at the end.
-   The last program of a row group (atomic counter) or a separate ``decide_kernel`` merges the
-   partials, runs the accept tests in log space (a runtime loop over the drafts) and finds the
-   first rejection j* of every row.
+   The last program of a row group (atomic counter) or a separate ``decide_kernel`` decides
+   with no serial chain over the drafts: the partials of all G+1 target and G draft positions
+   are merged as [ROWS, G_P2, NC_P2] tiles, the draft tokens' logits gathered at once, the
+   accept tests run in log space on registers, and j* is the first failing position.
 2. ``race_kernel``: only position j* of each stochastic row is read again; every chunk runs
-   its part of the exponential race over the residual max(0, p - q) (or p for the bonus),
-   and the last program (or ``finish_kernel``) picks the winner.
+   its part of the exponential race over the residual max(0, p - q) (or p for the bonus).
+   A prologue computes the precise keys at pass 1's per-chunk argmaxes of p (real tokens, so
+   a lower bound of the winning key) and every program starts its running best just below
+   that bound, with index BIG_IDX: nearly every tile's cheap key bound then stays below it
+   and its precise keys are skipped. The last program of a row group (``FUSED``; otherwise
+   ``finish_kernel``) takes the max key and the smallest index attaining it, which is the
+   reference's first argmax since start values are strictly below the winner.
 
 Layout contract: target rows [B, G+1, V] and draft rows [B, G, V] have unit strides inside a
 batch row (t_sb, d_sb are the batch strides), tokens are a contiguous [B, G] tensor, and
@@ -232,22 +238,23 @@ def _store_stats(ws, base_m, base_s, base_i, r, c, NC, rmask, m, s, am, WITH_IDX
 
 
 @triton.jit
-def _merge_stats(ws, base_m, base_s, base_i, r, NC, rmask, scale, c2,
-                 NC_P2: tl.constexpr, WITH_IDX: tl.constexpr, INTERPRET: tl.constexpr):
-    """Merge chunk partials: (max/T, log sum, first argmax, poisoned?) per row."""
-    cols = tl.arange(0, NC_P2)
-    cm = rmask[:, None] & (cols < NC)[None, :]
-    off = r[:, None] * NC + cols[None, :]
+def _merge_tile(ws, base_m, base_s, base_i, r, pm, NC, scale, c2,
+                NC_P2: tl.constexpr, WITH_IDX: tl.constexpr, INTERPRET: tl.constexpr):
+    """Merge the chunk partials of a [ROWS, G_P2] tile of row-positions r (mask pm) with one
+    [ROWS, G_P2, NC_P2] load each: (max/T, log sum, first argmax, poisoned?) per position."""
+    cols = tl.arange(0, NC_P2)[None, None, :]
+    cm = pm[:, :, None] & (cols < NC)
+    off = r[:, :, None] * NC + cols
     m = tl.load(ws + base_m + off, mask=cm, other=NEG_INF, cache_modifier=".cg")
     s = tl.load(ws + base_s + off, mask=cm, other=0.0, cache_modifier=".cg")
-    M = tl.max(m, 1)
+    M = tl.max(m, 2)
     bad = ~(M <= FLT_MAX) | (M == NEG_INF)
     Ms = tl.where(bad, 0.0, M)
-    S = tl.sum(s * tl.exp2((m - Ms[:, None]) * c2[:, None]), 1)
+    S = tl.sum(s * tl.exp2((m - Ms[:, :, None]) * c2[:, :, None]), 2)
     am = tl.zeros_like(r)
     if WITH_IDX:
         idx = tl.load(ws + base_i + off, mask=cm, other=BIG_IDX, cache_modifier=".cg")
-        am = tl.min(tl.where(m == M[:, None], idx, BIG_IDX), 1).to(tl.int32)
+        am = tl.min(tl.where(m == M[:, :, None], idx, BIG_IDX), 2).to(tl.int32)
     Mz = tl.math.div_rn(Ms, scale)
     bad = bad | (S != S) | ~(Mz <= FLT_MAX)          # NaN/+inf logits, or x/T overflows
     S = tl.where(bad, 1.0, S)
@@ -255,9 +262,9 @@ def _merge_stats(ws, base_m, base_s, base_i, r, NC, rmask, scale, c2,
 
 
 @triton.jit
-def _token_logprob(ptr_rows, x, scale, thr, Mz, logS, rmask, TOPK: tl.constexpr):
+def _token_logprob(ptr_rows, x, scale, thr, Mz, logS, msk, TOPK: tl.constexpr):
     """log-softmax value at token x: (x/T - max/T) - log S, -inf if top-k masks it."""
-    xv = tl.load(ptr_rows + x, mask=rmask, other=0.0).to(tl.float32)
+    xv = tl.load(ptr_rows + x, mask=msk, other=0.0).to(tl.float32)
     z = tl.math.div_rn(xv, scale)
     if TOPK:
         z = tl.where(z < thr, NEG_INF, z)
@@ -265,66 +272,22 @@ def _token_logprob(ptr_rows, x, scale, thr, Mz, logS, rmask, TOPK: tl.constexpr)
 
 
 @triton.jit
-def _accept_test(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale,
-                 c2, greedy, seed_m, mp, lsp, amp, G: tl.constexpr, ROWS: tl.constexpr,
-                 NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """Accept test of draft j: (ok, poisoned, q max/T, q log-sum) per row."""
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
-    x = tl.load(tok + rows64 * G + j, mask=rmask, other=0).to(tl.int32)
-    bad = (x < 0) | (x >= V)
-    x = tl.where(bad, 0, x)
-    thp = _load_thr(ws, thr_p, rows * (G + 1) + j, rmask, TOPK)
-    lp = _token_logprob(tgt + rows64 * t_sb + j * V, x, scale, thp, mp, lsp, rmask, TOPK)
-    mq = tl.zeros([ROWS], tl.float32)
-    lsq = mq
-    lq = mq
-    if HAS_Q:
-        rq = rows * G + j
-        mq, lsq, _unused, badq = _merge_stats(ws, q_m, q_s, p_i, rq, NC, rmask, scale, c2,
-                                              NC_P2, False, INTERPRET)
-        bad = bad | badq
-        thq = _load_thr(ws, thr_q, rq, rmask, TOPK)
-        lq = _token_logprob(drf + rows64 * d_sb + j * V, x, scale, thq, mq, lsq, rmask, TOPK)
-    u = _uniform(_stream_key(seed_m, rows * (G + 1) + j, INTERPRET),
-                 tl.zeros([ROWS], tl.int32) + V, INTERPRET)
-    ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
-    return tl.where(greedy, x == amp, ok_s), bad, mq, lsq
-
-
-@triton.jit
-def _decide_step(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
-                 greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
-                 G: tl.constexpr, ROWS: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                 TOPK: tl.constexpr, INTERPRET: tl.constexpr):
-    """Draft j: merge p's partials, accept test, and the per-row state update."""
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
-    mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, rows * (G + 1) + j, NC, rmask,
-                                      scale, c2, NC_P2, True, INTERPRET)
-    ok, badx, mq, lsq = _accept_test(j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws,
-                                     B, V, NC, NCR, scale, c2, greedy, seed_m, mp, lsp, amp,
-                                     G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
-    stop = alive & ~ok
-    jstar = tl.where(stop, j, jstar)
-    smq = tl.where(stop, mq, smq)
-    slq = tl.where(stop, lsq, slq)
-    smp = tl.where(stop, mp, smp)
-    slp = tl.where(stop, lsp, slp)
-    sam = tl.where(stop, amp, sam)
-    alive = alive & ok
-    n = n + alive.to(tl.int32)
-    return bad | badp | badx, alive, n, jstar, smp, slp, smq, slq, sam
+def _pick(v, sel):
+    """Per row, the value of v [ROWS, G_P2] at the one selected position (sel)."""
+    return tl.sum(tl.where(sel, v, tl.zeros_like(v)), 1)
 
 
 @triton.jit
 def _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out, B, V,
             G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
-            NC_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
-            ROW_TEMP: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+            NC_P2: tl.constexpr, G_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+            ROW_TEMP: tl.constexpr, INTERPRET: tl.constexpr):
     """Accept tests of one row group; writes accepted drafts, greedy fixes, n_accepted, j*.
 
-    UNROLL: the drafts' loads overlap (latency); else a runtime loop keeps the code small
-    (the fused streaming kernel at large batch).
+    No serial chain: the partials of all G+1 target and G draft positions are merged as
+    [ROWS, G_P2, NC_P2] tiles, the draft tokens' logits gathered at once, every position's
+    accept test done in registers and j* (= n_accepted) is the first failing position.
+    G_P2 is the power of two >= G + 1.
     """
     NC = tl.cdiv(V, CHUNK)
     NCR = tl.cdiv(V, RCHUNK)
@@ -334,55 +297,59 @@ def _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_m
     rows64 = rows.to(tl.int64)
     scale, c2, greedy, bad = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
     seed_m = _load_seed_rt(seed_ptr, seed, seed_mode)
-    alive = rmask
-    n = tl.zeros([ROWS], tl.int32)
-    jstar = tl.full([ROWS], G, tl.int32)
-    smp = tl.zeros([ROWS], tl.float32)
-    slp = smp
-    smq = smp
-    slq = smp
-    sam = n
-    if UNROLL:
-        for j in tl.static_range(0, G):
-            bad, alive, n, jstar, smp, slp, smq, slq, sam = _decide_step(
-                j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
-                greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
-                G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
-    else:
-        for j in range(0, G):
-            bad, alive, n, jstar, smp, slp, smq, slq, sam = _decide_step(
-                j, rows, rows64, rmask, tgt, t_sb, drf, d_sb, tok, ws, B, V, NC, NCR, scale, c2,
-                greedy, seed_m, bad, alive, n, jstar, smp, slp, smq, slq, sam,
-                G, ROWS, NC_P2, HAS_Q, TOPK, INTERPRET)
-    mp, lsp, amp, badp = _merge_stats(ws, p_m, p_s, p_i, rows * (G + 1) + G, NC, rmask, scale,
-                                      c2, NC_P2, True, INTERPRET)
-    bad = bad | badp
-    smp = tl.where(alive, mp, smp)
-    slp = tl.where(alive, lsp, slp)
-    sam = tl.where(alive, amp, sam)
-    _write_rows(tok, rows64, rmask, out, B, n, greedy, bad, sam, G)
+    js = tl.arange(0, G_P2)[None, :]
+    pm = rmask[:, None] & (js <= G)                  # target positions 0..G
+    dm = rmask[:, None] & (js < G)                   # draft positions 0..G-1
+    traw = tl.load(tok + rows64[:, None] * G + js, mask=dm, other=0)
+    badx = dm & ((traw < 0) | (traw >= V))
+    x = tl.where(badx, 0, traw).to(tl.int32)
+    sc = scale[:, None] + tl.zeros([ROWS, G_P2], tl.float32)
+    cc = c2[:, None] + tl.zeros([ROWS, G_P2], tl.float32)
+    rp = rows[:, None] * (G + 1) + js
+    mp, lsp, amp, badp = _merge_tile(ws, p_m, p_s, p_i, rp, pm, NC, sc, cc, NC_P2, True,
+                                     INTERPRET)
+    thp = _load_thr(ws, thr_p, rp, dm, TOPK)
+    lp = _token_logprob(tgt + rows64[:, None] * t_sb + js * V, x, sc, thp, mp, lsp, dm, TOPK)
+    mq = tl.zeros([ROWS, G_P2], tl.float32)
+    lsq = mq
+    lq = mq
+    badq = badx
+    if HAS_Q:
+        rq = rows[:, None] * G + js
+        mq, lsq, _unused, badq = _merge_tile(ws, q_m, q_s, p_i, rq, dm, NC, sc, cc, NC_P2,
+                                             False, INTERPRET)
+        thq = _load_thr(ws, thr_q, rq, dm, TOPK)
+        lq = _token_logprob(drf + rows64[:, None] * d_sb + js * V, x, sc, thq, mq, lsq, dm, TOPK)
+        badq = badx | badq
+    u = _uniform(_stream_key(seed_m, rp, INTERPRET), tl.zeros([ROWS, G_P2], tl.int32) + V,
+                 INTERPRET)
+    ok_s = (_log(u, INTERPRET) < lp - lq) & (lq > NEG_INF) & (lp > NEG_INF)
+    ok = tl.where(greedy[:, None], x == amp, ok_s)
+    n = tl.min(tl.where(dm & ~ok, js, G), 1)         # first rejection j*, G if none
+    bad = bad | (tl.max(((pm & badp) | (dm & badq)).to(tl.int32), 1) > 0)
+    sel = js == n[:, None]
+    _write_rows(traw, rows64, rmask, out, B, n, greedy, bad, _pick(amp, sel), js, G)
     need = rmask & ~greedy & ~bad
     base = ws + rowstat + rows * N_ROWSTAT
-    tl.store(base, tl.where(need, jstar, -1).to(tl.float32), mask=rmask)
-    tl.store(base + 1, smp, mask=rmask)
-    tl.store(base + 2, slp, mask=rmask)
-    tl.store(base + 3, smq, mask=rmask)
-    tl.store(base + 4, slq, mask=rmask)
+    tl.store(base, tl.where(need, n, -1).to(tl.float32), mask=rmask)
+    tl.store(base + 1, _pick(mp, sel), mask=rmask)
+    tl.store(base + 2, _pick(lsp, sel), mask=rmask)
+    tl.store(base + 3, _pick(tl.where(dm, mq, 0.0), sel), mask=rmask)
+    tl.store(base + 4, _pick(tl.where(dm, lsq, 0.0), sel), mask=rmask)
 
 
 @triton.jit
-def _write_rows(tok, rows64, rmask, out, B, n, greedy, bad, fix, G: tl.constexpr):
+def _write_rows(traw, rows64, rmask, out, B, n, greedy, bad, fix, js, G: tl.constexpr):
     """out[b, j]: draft if j < n, greedy fix (or -1 placeholder) at n, -1 after; poison -> -1.
 
-    ``out`` holds the tokens [B, G+1] followed by n_accepted [B].
+    ``out`` holds the tokens [B, G+1] followed by n_accepted [B]; traw [ROWS, G_P2] are the
+    draft tokens (0 past G-1).
     """
-    for j in tl.static_range(0, G + 1):
-        if j < G:
-            x = tl.load(tok + rows64 * G + j, mask=rmask, other=0)
-        else:
-            x = tl.zeros(rows64.shape, tl.int64)
-        v = tl.where(j < n, x.to(tl.int64), tl.where((j == n) & greedy, fix.to(tl.int64), -1))
-        tl.store(out + rows64 * (G + 1) + j, tl.where(bad, -1, v), mask=rmask)
+    nn = n[:, None]
+    v = tl.where(js < nn, traw.to(tl.int64),
+                 tl.where((js == nn) & greedy[:, None], fix[:, None].to(tl.int64), -1))
+    tl.store(out + rows64[:, None] * (G + 1) + js, tl.where(bad[:, None], -1, v),
+             mask=rmask[:, None] & (js <= G))
     tl.store(out + B * (G + 1) + rows64, tl.where(bad, -1, n).to(tl.int64), mask=rmask)
 
 
@@ -398,9 +365,9 @@ def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
 def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                  out, B, V,
                  G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 RCHUNK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                 TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
-                 FUSED: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+                 RCHUNK: tl.constexpr, NC_P2: tl.constexpr, G_P2: tl.constexpr,
+                 HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+                 FUSED: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass 1 over chunk c of position j (p, and q when j < G) for a group of ROWS rows.
 
     Rows are [G+1, V] (target) and [G, V] (draft) blocks with unit inner strides; t_sb and
@@ -434,7 +401,7 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
         if done == NC * (G + 1) - 1:
             _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
                     out, B, V,
-                    G, ROWS, CHUNK, RCHUNK, NC_P2, HAS_Q, TOPK, ROW_TEMP, UNROLL, INTERPRET)
+                    G, ROWS, CHUNK, RCHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
             tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
 
 
@@ -442,12 +409,12 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
 def decide_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out,
                   B, V,
                   G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                  RCHUNK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                  TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+                  RCHUNK: tl.constexpr, NC_P2: tl.constexpr, G_P2: tl.constexpr,
+                  HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    """Unfused decide step: one program per row group (drafts unrolled)."""
+    """Unfused decide step: one program per row group."""
     _decide(tl.program_id(0), tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode,
-            ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NC_P2, HAS_Q, TOPK, ROW_TEMP, True, INTERPRET)
+            ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- pass 2
@@ -462,9 +429,15 @@ def _scaled(x, scale, UNIT: tl.constexpr):
 
 @triton.jit
 def _race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
-    """log p of one tile, exactly as the keys use it."""
-    x = tl.load(tgt_rows[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
-    z = _scaled(x, scale, UNIT)
+    """log p at tokens offs ([1, RBLOCK] tile or [ROWS, n] gather), exactly as the keys use it."""
+    x = tl.load(tgt_rows[:, None] + offs, mask=msk, other=NEG_INF)
+    return _logp_of(x, scale, Mp, lSp, thp, TOPK, UNIT)
+
+
+@triton.jit
+def _logp_of(x, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
+    """log p of loaded logits x (any float dtype; -inf where masked)."""
+    z = _scaled(x.to(tl.float32), scale, UNIT)
     if TOPK:
         z = tl.where(z < thp[:, None], NEG_INF, z)
     return (z - Mp[:, None]) - lSp[:, None]
@@ -487,16 +460,16 @@ def _race_bound(logp, u):
 def _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
                HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
                INTERPRET: tl.constexpr):
-    """Race keys of one tile: (log max(0, p - q) or log p) - log E, and log p - log E."""
+    """Race keys at tokens offs: (log max(0, p - q) or log p) - log E, and log p - log E."""
     if HAS_Q:
-        y = tl.load(drf_rows[:, None] + offs[None, :], mask=msk & is_res[:, None],
+        y = tl.load(drf_rows[:, None] + offs, mask=msk & is_res[:, None],
                     other=NEG_INF).to(tl.float32)
         zq = _scaled(y, scale, UNIT)
         if TOPK:
             zq = tl.where(zq < thq[:, None], NEG_INF, zq)
         logq = (zq - Mq[:, None]) - lSq[:, None]
     else:
-        logq = tl.where(offs[None, :] == xtok[:, None], 0.0, NEG_INF)
+        logq = tl.where(offs == xtok[:, None], 0.0, NEG_INF)
     gap = logq - logp
     res = logp + _log1p(-_exp(tl.minimum(gap, 0.0), INTERPRET), INTERPRET)
     res = tl.where(gap < 0.0, res, NEG_INF)
@@ -506,29 +479,70 @@ def _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
 
 
 @triton.jit
+def _below(L):
+    """A start value strictly below the key L: L - 1e-4 (1 + |L|) (-inf stays -inf).
+
+    The slack dwarfs any rounding difference between the prologue's and the scan's evaluation
+    of the same key (both use the same functions on the same inputs)."""
+    return tl.where(L > NEG_INF, L - 1e-4 * (1.0 + tl.abs(L)), NEG_INF)
+
+
+@triton.jit
+def _race_floor(ws, p_i, r, need, tgt_rows, drf_rows, xtok, is_res, scale, Mp, lSp, Mq, lSq,
+                thp, thq, key, NC, V, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+                TOPK: tl.constexpr, UNIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Start values of the scan: just below the row's best residual and p keys among the
+    chunk argmaxes of p that pass 1 stored (precise keys, the scan's formulas).
+
+    Every candidate is a real token, so each start value is below the row's winning key: the
+    winner's tile is never skipped and the winner always replaces the start value.
+    """
+    cols = tl.arange(0, NC_P2)[None, :]
+    cm = need[:, None] & (cols < NC)
+    ci = tl.load(ws + p_i + r[:, None] * NC + cols, mask=cm, other=BIG_IDX).to(tl.int32)
+    cm = cm & (ci < V)                           # a chunk of only -inf stored BIG_IDX
+    ci = tl.where(cm, ci, 0)
+    logp = _race_logp(tgt_rows, ci, cm, scale, Mp, lSp, thp, TOPK, UNIT)
+    u = _uniform(key[:, None], ci, INTERPRET)
+    k1, k2 = _race_keys(logp, drf_rows, xtok, ci, cm, is_res, scale, Mq, lSq, thq, u,
+                        HAS_Q, TOPK, UNIT, INTERPRET)
+    L1 = tl.max(tl.where(cm, k1, NEG_INF), 1)
+    L2 = tl.max(tl.where(cm, k2, NEG_INF), 1)
+    return _below(L1), _below(L2)
+
+
+@triton.jit
 def _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq, thp, thq, key,
-                c, V, ROWS: tl.constexpr, RCHUNK: tl.constexpr, RBLOCK: tl.constexpr,
+                best, fb, c, V, ROWS: tl.constexpr, RCHUNK: tl.constexpr, RBLOCK: tl.constexpr,
                 HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
                 INTERPRET: tl.constexpr):
-    """Best race key and its first index over one chunk (residual keys, and p's fallback).
+    """Best race key and its first index over one chunk (residual keys, and p's fallback),
+    starting from (best, BIG_IDX) and (fb, BIG_IDX).
 
     A tile whose key bound (``_race_bound``) stays below the best residual key so far cannot
-    change either running argmax (keys equal to the best do not replace it), so its precise
-    keys (libdevice log, exp, log1p; the draft tile) are skipped.
+    change either running argmax (keys equal to the best do not replace it; p's keys are
+    >= the residual ones), so its precise keys (libdevice log, exp, log1p; the draft tile)
+    are skipped. A chunk none of whose keys beats its start value reports it with BIG_IDX.
     """
-    best = tl.full([ROWS], NEG_INF, tl.float32)
-    fb = tl.full([ROWS], NEG_INF, tl.float32)
-    bidx = tl.zeros([ROWS], tl.int32)
-    fidx = tl.zeros([ROWS], tl.int32)
-    xt = xtok.to(tl.int32)
+    bidx = tl.full([ROWS], BIG_IDX, tl.int32)
+    fidx = bidx
+    lanes = tl.arange(0, RBLOCK)[None, :]
+    offs = c * RCHUNK + lanes
+    x_next = tl.load(tgt_rows[:, None] + offs, mask=need[:, None] & (offs < V), other=NEG_INF)
     for t in range(0, RCHUNK, RBLOCK):
-        offs = c * RCHUNK + t + tl.arange(0, RBLOCK)
-        msk = need[:, None] & (offs < V)[None, :]
-        logp = _race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK, UNIT)
-        u = _uniform(key[:, None], offs[None, :], INTERPRET)
+        # the next tile's logits are requested before this tile's math (hides the load latency
+        # of the serial tile loop; most tiles are skipped, so little else would overlap it)
+        x = x_next
+        offs = c * RCHUNK + t + lanes
+        msk = need[:, None] & (offs < V)
+        nxt = offs + RBLOCK
+        x_next = tl.load(tgt_rows[:, None] + nxt,
+                         mask=need[:, None] & (nxt < V) & (t + RBLOCK < RCHUNK), other=NEG_INF)
+        logp = _logp_of(x, scale, Mp, lSp, thp, TOPK, UNIT)
+        u = _uniform(key[:, None], offs, INTERPRET)
         bound = tl.max(_race_bound(logp, u), 1)
         if tl.max((bound >= best).to(tl.int32), 0) > 0:
-            k1, k2 = _race_keys(logp, drf_rows, xt, offs, msk, is_res, scale, Mq, lSq, thq, u,
+            k1, k2 = _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
                                 HAS_Q, TOPK, UNIT, INTERPRET)
             best, bidx = _best(best, bidx, k1, c * RCHUNK + t)
             fb, fidx = _best(fb, fidx, k2, c * RCHUNK + t)
@@ -543,14 +557,47 @@ def _best(best, bidx, k, base):
     return tl.where(upd, tb, best), tl.where(upd, ti + base, bidx)
 
 
+@triton.jit
+def _race_row(c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
+              ws, B, V, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr, RCHUNK: tl.constexpr,
+              RBLOCK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
+              TOPK: tl.constexpr, UNIT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Chunk c of the race at position jf of the rows that need one (prologue: the start
+    values of ``_race_floor``): (best, index, fallback best, index)."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    rows64 = rows.to(tl.int64)
+    base = ws + rowstat + rows * N_ROWSTAT
+    j = tl.where(need, jf, 0.0).to(tl.int32)
+    is_res = j < G
+    jq = tl.where(is_res, j, 0)
+    Mp = tl.load(base + 1, mask=need, other=0.0)
+    lSp = tl.load(base + 2, mask=need, other=0.0)
+    Mq = tl.load(base + 3, mask=need, other=0.0)
+    lSq = tl.load(base + 4, mask=need, other=0.0)
+    r = rows * (G + 1) + j
+    thp = _load_thr(ws, thr_p, r, need, TOPK)
+    thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
+    xtok = tl.load(tok + rows64 * G + jq, mask=need & is_res, other=-1).to(tl.int32)
+    key = _stream_key(_load_seed_rt(seed_ptr, seed, seed_mode), r, INTERPRET)
+    tgt_rows = tgt + rows64 * t_sb + j * V
+    drf_rows = drf + rows64 * d_sb + jq * V
+    best, fb = _race_floor(ws, p_i, r, need, tgt_rows, drf_rows, xtok, is_res,
+                           scale, Mp, lSp, Mq, lSq, thp, thq, key, NC, V, NC_P2, HAS_Q, TOPK,
+                           UNIT, INTERPRET)
+    return _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq, thp,
+                       thq, key, best, fb, c, V, ROWS, RCHUNK, RBLOCK, HAS_Q, TOPK, UNIT,
+                       INTERPRET)
+
+
 @triton.jit(do_not_specialize=["seed", "seed_mode"])
 def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                 out, B, V,
                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
-                RBLOCK: tl.constexpr, NCR_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+                RBLOCK: tl.constexpr, NC_P2: tl.constexpr, NCR_P2: tl.constexpr,
+                HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                 FUSED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Pass 2: chunk c of the exponential race at position j* of each stochastic row."""
+    """Pass 2: chunk c of the exponential race at position j* of each stochastic row; with
+    FUSED the last program of a row group picks the winners."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     NC = tl.cdiv(V, CHUNK)
@@ -558,34 +605,19 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
-    rows64 = rows.to(tl.int64)
-    base = ws + rowstat + rows * N_ROWSTAT
-    jf = tl.load(base, mask=rmask, other=-1.0)
+    jf = tl.load(ws + rowstat + rows * N_ROWSTAT, mask=rmask, other=-1.0)
     need = rmask & (jf >= 0.0)
     if tl.max(need.to(tl.int32), 0) > 0:
-        j = tl.where(need, jf, 0.0).to(tl.int32)
-        is_res = j < G
-        jq = tl.where(is_res, j, 0)
         scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
-        Mp = tl.load(base + 1, mask=need, other=0.0)
-        lSp = tl.load(base + 2, mask=need, other=0.0)
-        Mq = tl.load(base + 3, mask=need, other=0.0)
-        lSq = tl.load(base + 4, mask=need, other=0.0)
-        thp = _load_thr(ws, thr_p, rows * (G + 1) + j, need, TOPK)
-        thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
-        xtok = tl.load(tok + rows64 * G + jq, mask=need & is_res, other=-1)
-        key = _stream_key(_load_seed_rt(seed_ptr, seed, seed_mode), rows * (G + 1) + j, INTERPRET)
-        tgt_rows = tgt + rows64 * t_sb + j * V
-        drf_rows = drf + rows64 * d_sb + jq * V
         unit = tl.max(tl.abs(tl.where(need, scale, 1.0) - 1.0), 0) == 0.0
         if unit:                                     # uniform per program: T = 1 everywhere
-            best, bidx, fb, fidx = _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale,
-                                               Mp, lSp, Mq, lSq, thp, thq, key, c, V, ROWS,
-                                               RCHUNK, RBLOCK, HAS_Q, TOPK, True, INTERPRET)
+            best, bidx, fb, fidx = _race_row(
+                c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
+                ws, B, V, NC, NCR, G, ROWS, RCHUNK, RBLOCK, NC_P2, HAS_Q, TOPK, True, INTERPRET)
         else:
-            best, bidx, fb, fidx = _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale,
-                                               Mp, lSp, Mq, lSq, thp, thq, key, c, V, ROWS,
-                                               RCHUNK, RBLOCK, HAS_Q, TOPK, False, INTERPRET)
+            best, bidx, fb, fidx = _race_row(
+                c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
+                ws, B, V, NC, NCR, G, ROWS, RCHUNK, RBLOCK, NC_P2, HAS_Q, TOPK, False, INTERPRET)
         off = rows * NCR + c
         tl.store(ws + race + off, best, mask=need)
         tl.store(ws + race + B * NCR + off, bidx.to(tl.float32), mask=need)
@@ -614,7 +646,13 @@ def _argbest(ws, base_k, base_i, rows, need, NC, NC_P2: tl.constexpr):
 @triton.jit
 def _finish(g, ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
             RCHUNK: tl.constexpr, NCR_P2: tl.constexpr):
-    """Winner of the race of each stochastic row (fallback to p when the residual is empty)."""
+    """Winner of the race of each stochastic row (fallback to p when the residual is empty).
+
+    A chunk that found no key above its start value reports (start, BIG_IDX); the start is
+    strictly below the row's best key, so the max picks a real index whenever a key is
+    finite. Only a row without any finite key (impossible for an unpoisoned row) would be
+    left with BIG_IDX: it gets token 0, like an argmax over -inf.
+    """
     NC = tl.cdiv(V, CHUNK)
     NCR = tl.cdiv(V, RCHUNK)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
@@ -624,7 +662,8 @@ def _finish(g, ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.con
     need = rmask & (jf >= 0.0)
     K, I = _argbest(ws, race, race + B * NCR, rows, need, NCR, NCR_P2)
     FK, FI = _argbest(ws, race + 2 * B * NCR, race + 3 * B * NCR, rows, need, NCR, NCR_P2)
-    winner = tl.where(K > NEG_INF, I, FI).to(tl.int64)
+    winner = tl.where(K > NEG_INF, I, FI)
+    winner = tl.where(winner < V, winner, 0.0).to(tl.int64)
     j = tl.where(need, jf, 0.0).to(tl.int64)
     tl.store(out + rows.to(tl.int64) * (G + 1) + j, winner, mask=need)
 
