@@ -287,8 +287,10 @@ class SpecEngine:
             for drafter in self.drafters:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
-            if self.planner is not None:
-                self.planner.observe(drafts.shape[1], step_s[-1], real, n_acc, active)
+            if self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
+                typical = not getattr(arm.drafter, "catching_up", False)
+                self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
+                                     n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
             if proposed or self.reward_kind == "tps":
                 r = reward(self.reward_kind, proposed, accepted,

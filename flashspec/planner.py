@@ -29,6 +29,10 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def _call(available: list[int] | Callable[[], list[int]]) -> list[int]:
+    return available() if callable(available) else available
+
+
 @dataclass
 class WidthPlanner:
     """Chooses the verify width of each step from measured step costs and acceptance rates."""
@@ -38,6 +42,7 @@ class WidthPlanner:
     decay: float = 0.9        # per-observation memory of the acceptance counts
     smoothing: float = 0.3    # weight of a new step time in the cost average
     prior: float = 2.0        # pseudo-trials pulling a row's rate toward the batch rate
+    replan: int = 4           # steps a decision is kept (planning costs Python time per row)
     cost: dict[int, float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
 
@@ -50,6 +55,7 @@ class WidthPlanner:
         """New batch: acceptance memory per row starts over; step costs are kept."""
         self.succ, self.trials = [0.0] * batch, [0.0] * batch
         self.batch_succ, self.batch_trials = 0.0, 0.0
+        self.kept, self.last = 0, (0, 0)     # steps the last decision (γ, k) still holds
 
     # ------------------------------------------------------------------ estimates
     def alpha(self, row: int) -> float:
@@ -77,6 +83,16 @@ class WidthPlanner:
             return 0
         probes = sorted({0, max(1, gamma // 2), gamma})
         fresh = [k for k in probes if self.seen.get(k, 0) < self.explore]
+        if not fresh and self.kept > 0 and self.last[0] == gamma:
+            self.kept -= 1
+            return min(self.last[1], max(_call(available), default=0)) if self.last[1] else 0
+        k = self._decide(gamma, available, remaining, fresh)
+        if not fresh:
+            self.kept, self.last = self.replan - 1, (gamma, k)
+        return k
+
+    def _decide(self, gamma: int, available: list[int] | Callable[[], list[int]],
+                remaining: list[int], fresh: list[int]) -> int:
         if callable(available):
             if not fresh and self._best(gamma, [gamma] * len(remaining), remaining) == 0:
                 return 0      # an upper bound: drafting is not worth looking up
@@ -105,12 +121,14 @@ class WidthPlanner:
                 best, best_value = k, value
         return best
 
-    def observe(self, k: int, step_s: float, real: list[int], accepted: list[int],
+    def observe(self, k: int, step_s: float | None, real: list[int], accepted: list[int],
                 live: list[bool]) -> None:
-        """One step's outcome: its width, wall time and, per live row, real drafts and accepts."""
-        old = self.cost.get(k)
-        self.cost[k] = step_s if old is None else old + self.smoothing * (step_s - old)
-        self.seen[k] = self.seen.get(k, 0) + 1
+        """One step's outcome: its width, wall time (None: not representative, e.g. a drafter
+        catching up on a whole prompt) and, per live row, real drafts and accepts."""
+        if step_s is not None:
+            old = self.cost.get(k)
+            self.cost[k] = step_s if old is None else old + self.smoothing * (step_s - old)
+            self.seen[k] = self.seen.get(k, 0) + 1
         step_succ = step_trials = 0
         for i, (m, n, on) in enumerate(zip(real, accepted, live)):
             if not on or m == 0:
@@ -131,5 +149,5 @@ class WidthPlanner:
             return None
         if cfg["name"] != "goodput":
             raise FlashSpecError(f"unknown planner {cfg['name']!r}; choose none or goodput")
-        keys = ("objective", "explore", "decay", "smoothing", "prior")
+        keys = ("objective", "explore", "decay", "smoothing", "prior", "replan")
         return cls(**{k: cfg[k] for k in keys if cfg.get(k) is not None})

@@ -116,7 +116,7 @@ def test_planned_decoding_is_exact(batch):
 
 
 def test_lookup_skipped_when_even_full_drafts_cannot_pay():
-    planner = WidthPlanner()
+    planner = WidthPlanner(replan=1)     # plan afresh every step
     planner.reset(1)
     warm(planner, {0: 1.0, 4: 3.0, 8: 5.0}, 8)
     for _ in range(5):
@@ -126,3 +126,23 @@ def test_lookup_skipped_when_even_full_drafts_cannot_pay():
     assert not calls, "the drafts were looked up although no width could pay"
     planner.cost[8] = 1.0    # drafting is now free: the lookup is needed again
     assert planner.plan(8, lambda: calls.append(1) or [8], [100]) > 0 and calls
+
+
+def test_decision_is_kept_for_replan_steps_and_unmeasured_steps_are_skipped():
+    """A decision holds ``replan`` steps (the cheap path still checks that drafts exist); a
+    step observed without a wall time (a drafter's catch-up) leaves the cost table alone."""
+    planner = WidthPlanner(replan=3)
+    planner.reset(1)
+    warm(planner, {0: 1.0, 4: 1.5, 8: 2.0}, 8)
+    for _ in range(3):
+        planner.observe(8, 2.0, [8], [8], [True])
+    first = planner.plan(8, [8], [100])
+    assert first == 8
+    for _ in range(5):                       # drafts now always fail
+        planner.observe(8, 2.0, [8], [0], [True])
+    assert planner.plan(8, [0], [100]) == 0  # kept, but this step has no drafts
+    assert planner.plan(8, [8], [100]) == 8  # kept
+    assert planner.plan(8, [8], [100]) < 8   # replanned with the new acceptance
+    before = dict(planner.cost)
+    planner.observe(8, None, [8], [0], [True])
+    assert planner.cost == before

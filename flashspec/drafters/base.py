@@ -88,6 +88,7 @@ class GraphedDrafting:
     """
 
     graphs: GraphCache | None = None
+    catching_up: bool = False   # the last proposal ran a long eager window (e.g. a new prompt)
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,
@@ -127,6 +128,7 @@ class GraphedDrafting:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts and their logits from the window of ``width`` tokens at ``starts``."""
         dev = state.device
+        self.catching_up = width > gamma + 1
         tokens, positions = state.window(starts, width)
         last_idx = torch.tensor([n - 1 - s for n, s in zip(state.lengths, starts)], device=dev)
         last_pos = torch.tensor(state.lengths, device=dev)
