@@ -271,6 +271,30 @@ def test_float_max_and_neg_inf_chunks(temp):
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_argmax_ties_across_lanes_and_tiles(dtype):
+    """First argmax of pass 1 (lanes of 8 elements, tiles of 512, chunks of 1024; the last chunk
+    partial): ties inside a lane, across its tiles and across lanes; greedy fixes and races."""
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(6, 2, 3000, generator=gen)
+    c = 1024                                            # second chunk; tile 1 starts at c + 512
+    ties = [[c + 9, c + 521, c + 513], [c + 15, c + 520], [c + 528, c + 100],
+            [c + 40, c + 512], [c + 523, c + 526, 2048 + 900], [2048 + 601, 2048 + 600, 2048 + 515]]
+    for b, idx in enumerate(ties):
+        x[b, :, idx] = 6.0
+    x[4, :, c + 8] = 5.0                                # the lane's max grows in a later tile
+    drafts = torch.zeros(6, 1, dtype=torch.long)
+    x = x.to(dtype).to(DEVICE)
+    drafts = drafts.to(DEVICE)
+    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=512, rblock=256, warps=4, rwarps=4)
+    for params in (SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=3)):
+        ref = reference.verify(x, drafts, x[:, :1].flip(-1), params, 6)
+        got = tb.launch(x, drafts, x[:, :1].flip(-1), params, 6, geometry=plan)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    out, n = tb.launch(x, drafts, None, SamplingParams(0.0), 0, geometry=plan)
+    assert out[:, 0].tolist() == [min(i) for i in ties] and n.tolist() == [0] * 6
+
+
 def test_race_bound_covers_keys():
     """The cheap bound that lets pass 2 skip tiles is >= the precise key log p - log(-log u)
     (which is >= the residual key) for u over the whole hash range and log p near 0..-1e4."""
