@@ -25,7 +25,8 @@ OBJECTIVES = ("makespan", "total")
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """1 + α + ... + α^k: expected tokens a row commits when k drafts are verified."""
+    """1 + α + ... + α^k: expected tokens a row commits when k drafts are verified (the
+    closed form; ``WidthPlanner._best`` sums the same terms k by k)."""
     return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 

@@ -48,8 +48,7 @@ def per_kernel(slot: tb._Slot, args: tuple, tail: tuple, flush: torch.Tensor, it
     """µs of every launch of a cached slot, each alone (after one full call set the state)."""
     out = {}
     for name, fn, grid, consts, warps in slot.launches:
-        full = (slot.ws,) + tail if name == "finish" else (
-            args + tail if name == "decide" else args + (slot.cnt,) + tail)
+        full = tb.launch_args(slot, name, args, tail)
         out[name] = timed(lambda: fn[grid](*full, **consts, num_warps=warps), flush, iters)
     return out
 

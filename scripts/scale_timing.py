@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
 from flashspec.models.loading import dummy_config, random_model  # noqa: E402
+from flashspec.planner import expected_tokens  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
 
 ALPHAS = (0.6, 0.7, 0.8)
@@ -107,7 +108,7 @@ def predictions(t_verify: dict[int, float], t_draft: float, batch: int, how: str
     rows = []
     for alpha in ALPHAS:
         for gamma in range(1, len(t_verify)):
-            tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+            tokens = expected_tokens(alpha, gamma)
             step = gamma * t_draft + t_verify[gamma + 1]
             rows.append({"kind": "predicted", "batch": batch, "alpha": alpha, "gamma": gamma,
                          "drafting": how,

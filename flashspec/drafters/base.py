@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashspec.graphs import GraphCache
-from flashspec.verify.sampling import SamplingParams, gumbel_sample, sample
+from flashspec.verify.sampling import SamplingParams
 
 
 @dataclass
@@ -140,10 +140,3 @@ class GraphedDrafting:
         return self.graphs((state.batch, width, gamma, params), tokens, positions, last_idx,
                            last_pos, seed)
 
-
-def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-         seed: torch.Tensor | None, step: int) -> torch.Tensor:
-    """One draft token per row: from ``generator``, or counter-based from a device ``seed``."""
-    if seed is None:
-        return sample(logits, params, generator)[0]
-    return gumbel_sample(logits, params, seed, step)[0]

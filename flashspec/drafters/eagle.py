@@ -22,11 +22,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting, draw
+from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import Block, KVCache, Linear, LlamaLM, LlamaShape, RMSNorm
 from flashspec.matmul import linear
-from flashspec.verify.sampling import SamplingParams
+from flashspec.verify.sampling import SamplingParams, sample
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         drafts, draft_logits = [], []
         for i in range(gamma):
             logits = self.head(h)
-            tok = draw(logits, params, generator, seed, i)
+            tok = sample(logits, params, generator, seed, i)[0]
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:

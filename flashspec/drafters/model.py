@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting, draw
+from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting
 from flashspec.models.llama import KVCache, LlamaLM
-from flashspec.verify.sampling import SamplingParams
+from flashspec.verify.sampling import SamplingParams, sample
 
 
 class ModelDrafter(GraphedDrafting, Drafter):
@@ -57,7 +57,7 @@ class ModelDrafter(GraphedDrafting, Drafter):
         logits = self._step(tokens, positions, span, last_idx)
         drafts, draft_logits = [], []
         for i in range(gamma):
-            tok = draw(logits, params, generator, seed, i)
+            tok = sample(logits, params, generator, seed, i)[0]
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:

@@ -63,27 +63,23 @@ def _mask_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     return x.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs)."""
-    logp = warp_logprobs(logits, params)
-    if params.greedy:
-        return logp.argmax(dim=-1), logp
-    flat = logp.reshape(-1, logp.shape[-1]).exp()
-    tok = torch.multinomial(flat, 1, generator=generator).reshape(logp.shape[:-1])
-    return tok, logp
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+           seed: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs).
 
-
-def gumbel_sample(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, step: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sample`` without a torch generator: Gumbel-max with counter-based uniforms of (device
-    seed, stream = row * 64 + step), so a CUDA graph can replay it with a new seed."""
-    from flashspec.verify import rng
+    With a device ``seed`` the draw is Gumbel-max over counter-based uniforms of (seed,
+    stream = row * 64 + step) instead of ``generator``: no torch RNG state, so a CUDA graph can
+    replay it with a new seed."""
     logp = warp_logprobs(logits, params)
     if params.greedy:
         return logp.argmax(dim=-1), logp
     flat = logp.reshape(-1, logp.shape[-1])
-    rows = torch.arange(flat.shape[0], device=flat.device)
-    u = rng.uniform(seed, rows[:, None] * 64 + step, torch.arange(flat.shape[1], device=flat.device))
-    tok = (flat - torch.log(-torch.log(u))).argmax(dim=-1)
+    if seed is None:
+        tok = torch.multinomial(flat.exp(), 1, generator=generator)
+    else:
+        from flashspec.verify import rng
+        rows = torch.arange(flat.shape[0], device=flat.device)
+        u = rng.uniform(seed, rows[:, None] * 64 + step,
+                        torch.arange(flat.shape[1], device=flat.device))
+        tok = (flat - torch.log(-torch.log(u))).argmax(dim=-1)
     return tok.reshape(logp.shape[:-1]), logp

@@ -323,14 +323,17 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     tail = (buf, batch, vocab)
     stream = _stream(device) if direct else None
     for name, fn, grid, consts, warps in slot.launches:
-        if name == "finish":
-            full = (slot.ws,) + tail
-        elif name == "decide":
-            full = args + tail
-        else:
-            full = args + (slot.cnt,) + tail
-        _run(fn, slot, name, grid, full, consts, warps, stream)
+        _run(fn, slot, name, grid, launch_args(slot, name, args, tail), consts, warps, stream)
     return out, nacc
+
+
+def launch_args(slot: _Slot, name: str, args: tuple, tail: tuple) -> tuple:
+    """Positional arguments of the launch ``name`` of ``slot``: the common inputs ``args``
+    (logits .. workspace), the merge counters where the kernel takes them, then ``tail``
+    (output buffer, B, V); finish_kernel takes only the workspace and the tail."""
+    if name == "finish":
+        return (slot.ws,) + tail
+    return args + tail if name == "decide" else args + (slot.cnt,) + tail
 
 
 def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, temp_ptr, temp,
