@@ -21,7 +21,7 @@ from flashspec.data import Prompt, chat_ids, prompts_from_config
 from flashspec.engine import Arm, SpecEngine
 from flashspec.planner import WidthPlanner
 from flashspec.errors import FlashSpecError
-from flashspec.metrics import format_table, summarize
+from flashspec.metrics import bandit_vs_fixed, format_bandit_vs_fixed, format_table, summarize
 from flashspec.records import RecordWriter, WandbLogger, provenance
 from flashspec.verify.sampling import SamplingParams
 
@@ -39,14 +39,18 @@ class Method:
     run: Callable[[list[list[int]], int, str | None], list[dict[str, Any]]]
 
 
-def engine_method(name: str, engine: SpecEngine) -> Method:
+def engine_method(name: str, engine: SpecEngine, per_step: bool = False) -> Method:
+    """``per_step`` also records each step's seconds and accepted drafts (``step_s``,
+    ``step_accepted``; batch steps: the seconds are the batch's)."""
     def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
         res = engine.generate(prompts, max_new, domain=domain)
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
                  "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99),
-                 "capture_s": res.capture_s}
+                 "capture_s": res.capture_s,
+                 **({"step_s": [round(t, 6) for t in res.step_s],
+                     "step_accepted": r.step_accepted} if per_step else {})}
                 for r in res.rows]
     return Method(name, run)
 
@@ -91,7 +95,10 @@ def spec_name(arms: list[Arm], cfg_bandit: DictConfig) -> str:
         return f"spec:{arms[int(cfg_bandit.get('arm', 0))].name}"
     reward = cfg_bandit.get("reward", "alpha") or "alpha"
     key = cfg_bandit.get("key") or "domain"
+    inner = cfg_bandit.get("inner") or {}
+    inner = inner if isinstance(inner, str) else inner.get("name", "thompson")
     return (f"spec:bandit:{cfg_bandit.name}" + ("" if key == "domain" else f"[{key}]")
+            + ("" if cfg_bandit.name != "contextual" or inner == "thompson" else f"({inner})")
             + ("" if reward == "alpha" else f"/{reward}"))
 
 
@@ -214,6 +221,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     records = list(read_records(writer.path))
     rows = summarize(records)
     print(f"\nrecords: {writer.path}\n" + format_table(rows))
+    cmp = bandit_vs_fixed(records)
+    if cmp is not None:
+        print("\n" + format_bandit_vs_fixed(cmp))
+        logger.summary({f"pooled/{k}": cmp[k] for k in ("vs_best_fixed", "vs_mean_fixed")})
     _stream_figure(records, cfg, out_dir)
     logger.table("summary", rows)
     logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
@@ -279,6 +290,7 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
             "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
             "capture_s": st.get("capture_s", 0.0),
+            **{k: st[k] for k in ("step_s", "step_accepted") if k in st},
             "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
             "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
             "tokens": st["tokens"], "text": text, "provenance": prov}

@@ -57,3 +57,39 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Per method over the whole run (every dataset): Σ tokens / Σ batch wall seconds."""
+    tokens: dict[str, float] = defaultdict(float)
+    walls: dict[str, dict[Any, float]] = defaultdict(dict)
+    for i, r in enumerate(records):
+        if r.get("experiment", "decode") != "decode":
+            continue
+        tokens[r["method"]] += r["n_new_tokens"]
+        walls[r["method"]][r.get("batch_id", i)] = r["wall_s"]
+    return {m: tokens[m] / max(sum(walls[m].values()), 1e-9) for m in tokens}
+
+
+def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The bandit bars on one run's pooled TPS: best bandit / best fixed arm and / mean of the
+    fixed arms (fixed = every ``spec:`` method that is not a bandit). None without both kinds."""
+    tps = pooled_tps(records)
+    bandits = {m: v for m, v in tps.items() if m.startswith("spec:bandit")}
+    fixed = {m: v for m, v in tps.items() if m.startswith("spec:") and m not in bandits}
+    if not bandits or not fixed:
+        return None
+    best_b, best_f = max(bandits, key=bandits.get), max(fixed, key=fixed.get)
+    mean_f = statistics.fmean(fixed.values())
+    return {"tps": dict(sorted(tps.items(), key=lambda kv: -kv[1])), "best_bandit": best_b,
+            "best_fixed": best_f, "vs_best_fixed": bandits[best_b] / fixed[best_f],
+            "vs_mean_fixed": bandits[best_b] / mean_f}
+
+
+def format_bandit_vs_fixed(cmp: dict[str, Any]) -> str:
+    """Pooled TPS per method, then the two bandit ratios."""
+    width = max(len(m) for m in cmp["tps"])
+    lines = [f"{m.ljust(width)}  {v:8.2f}" for m, v in cmp["tps"].items()]
+    lines.append(f"best bandit ({cmp['best_bandit']}) / best fixed ({cmp['best_fixed']}): "
+                 f"{cmp['vs_best_fixed']:.3f}; / mean of fixed arms: {cmp['vs_mean_fixed']:.3f}")
+    return "pooled tok/s over the run\n" + "\n".join(lines)

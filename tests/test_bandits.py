@@ -18,7 +18,8 @@ from flashspec.theory import bernoulli_kl, lai_robbins_bound, ucb1_regret_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 EASY = [0.2, 0.8, 0.5]  # best arm 1
-STOCHASTIC = ["eps_greedy", "ucb1", "thompson", "sw_ucb", "d_thompson", "exp3", "contextual"]
+STOCHASTIC = ["eps_greedy", "ucb1", "thompson", "sw_ucb", "d_thompson", "exp3", "contextual",
+              "rate_thompson"]
 
 
 def _policy(name: str, n_arms: int, seeds, horizon: int, means=None):
@@ -99,6 +100,23 @@ def test_contextual_learns_each_domain():
     pol = make_policy("contextual", 2, 0)
     pol.update(pol.select({"domain": "code"}), 1.0)
     assert set(pol.per_domain) == {"code"}
+
+
+def test_rate_thompson_estimates_pooled_rate_not_the_mean_of_step_rates():
+    """Arm 0 alternates a cheap lucky step (100 tok/s for 10 ms) and a slow one (10 tok/s for
+    1 s): its mean step rate is 55 but it makes 11 tokens in 1.01 s. Arm 1 always makes 30 tok/s."""
+    steps = {0: [(100.0, 0.01), (10.0, 1.0)], 1: [(30.0, 0.1), (30.0, 0.1)]}
+    rate, mean = make_policy("rate_thompson", 2, 0), make_policy("ucb1", 2, 0, reward_scale=100.0)
+    for _ in range(20):
+        for arm, pairs in steps.items():
+            for r, c in pairs:
+                rate.update(arm, r, c)
+                mean.update(arm, r, c)
+    assert rate.values == pytest.approx([11.0 / 1.01, 30.0])
+    assert mean.values == pytest.approx([55.0, 30.0])
+    assert [rate.select() for _ in range(50)].count(1) == 50     # arm 1's sd is 0
+    with pytest.raises(FlashSpecError, match="min_pulls"):
+        make_policy("rate_thompson", 2, 0, min_pulls=1)
 
 
 def test_full_information_update():
@@ -227,3 +245,18 @@ def test_notebook_redraws_from_committed_records():
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)
     assert any("bar met: True" in o.get("text", "") for o in outputs)
+
+
+def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
+    from flashspec.metrics import bandit_vs_fixed
+
+    def rec(method, tokens, wall, batch):
+        return {"method": method, "n_new_tokens": tokens, "wall_s": wall, "batch_id": batch}
+    recs = [rec("ar", 100, 4.0, "a"), rec("spec:x@3", 100, 2.0, "x"), rec("spec:y@3", 50, 2.0, "y1"),
+            rec("spec:y@3", 50, 2.0, "y2"), rec("spec:bandit:t", 60, 1.0, "b"),   # one batch of two rows:
+            rec("spec:bandit:t", 60, 1.0, "b")]                                 # its wall counts once
+    cmp = bandit_vs_fixed(recs)
+    assert cmp["tps"] == {"spec:bandit:t": 120.0, "spec:x@3": 50.0, "ar": 25.0, "spec:y@3": 25.0}
+    assert cmp["best_fixed"] == "spec:x@3" and cmp["vs_best_fixed"] == pytest.approx(2.4)
+    assert cmp["vs_mean_fixed"] == pytest.approx(120.0 / 37.5)
+    assert bandit_vs_fixed(recs[:4]) is None

@@ -9,9 +9,10 @@ from flashspec.bandits.contextual import PerDomain
 from flashspec.bandits.exp3 import EXP3
 from flashspec.bandits.factory import POLICIES, from_config, make_policy
 from flashspec.bandits.index import UCB1, EpsilonGreedy, FixedArm, Oracle, SlidingWindowUCB
+from flashspec.bandits.rate import RateThompson
 from flashspec.bandits.rewards import REWARD_KINDS, reward
 from flashspec.bandits.thompson import DiscountedThompson, ThompsonSampling
 
 __all__ = ["Policy", "FixedArm", "EpsilonGreedy", "UCB1", "ThompsonSampling", "SlidingWindowUCB",
-           "DiscountedThompson", "EXP3", "Oracle", "PerDomain", "POLICIES", "make_policy",
+           "DiscountedThompson", "RateThompson", "EXP3", "Oracle", "PerDomain", "POLICIES", "make_policy",
            "from_config", "reward", "REWARD_KINDS"]

@@ -8,13 +8,14 @@ from flashspec.bandits.base import Policy
 from flashspec.bandits.contextual import PerDomain
 from flashspec.bandits.exp3 import EXP3
 from flashspec.bandits.index import UCB1, EpsilonGreedy, FixedArm, Oracle, SlidingWindowUCB
+from flashspec.bandits.rate import RateThompson
 from flashspec.bandits.rewards import REWARD_KINDS
 from flashspec.bandits.thompson import DiscountedThompson, ThompsonSampling
 from flashspec.errors import FlashSpecError
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
     FixedArm, EpsilonGreedy, UCB1, ThompsonSampling, SlidingWindowUCB, DiscountedThompson,
-    EXP3, Oracle, PerDomain)}
+    EXP3, Oracle, PerDomain, RateThompson)}
 
 # Keys of a bandit config read by the engine, not by the policy constructor.
 ENGINE_KEYS = ("name", "reward", "full_info")

@@ -1,0 +1,64 @@
+"""Thompson sampling on an arm's reward *rate*: Σ r·c / Σ c, reward per unit of cost.
+
+With ``reward: tps`` (r = tokens / step seconds) and cost = the step's seconds, the rate is the
+arm's pooled tokens per second, total tokens / total time: what a throughput run measures.
+The mean of per-step tok/s (what the other policies estimate) is a different, biased target:
+a cheap step with a lucky acceptance counts as much as an expensive one.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from flashspec.bandits.base import Context, Policy
+from flashspec.errors import FlashSpecError
+
+
+class RateThompson(Policy):
+    """Gaussian Thompson sampling on the ratio estimate R = X / C (X = Σ r·c, C = Σ c).
+
+    The posterior of R is the ratio estimator's normal approximation: mean R̂, variance
+    Σ (x_i − R̂ c_i)² / C² · n / (n − 1) (the delta method). Each step plays the arm with the
+    largest draw R̂ + explore · sd · N(0, 1); an arm seen fewer than ``min_pulls`` times plays
+    first. Rewards are not squashed to [0, 1], so ``reward_scale`` does not matter here.
+    """
+
+    name = "rate_thompson"
+
+    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, explore: float = 1.0,
+                 min_pulls: int = 2, **kw: float) -> None:
+        super().__init__(n_arms, seed, **kw)
+        if not explore >= 0 or int(min_pulls) < 2:
+            raise FlashSpecError(f"bandit={self.name}: explore={explore} must be >= 0 and "
+                                 f"min_pulls={min_pulls} >= 2 (a variance needs two steps)")
+        self.explore, self.min_pulls = float(explore), int(min_pulls)
+        shape = (self.n_envs, self.n_arms)
+        self._x, self._xx, self._xc, self._cc = (np.zeros(shape) for _ in range(4))
+
+    def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
+        seen = ~np.isnan(r)
+        x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
+        cost = np.where(seen, np.nan_to_num(c), 0.0)
+        self._x += x
+        self._xx += x * x
+        self._xc += x * cost
+        self._cc += cost * cost
+        super()._observe(r, c, pulled, context)
+
+    def _estimates(self) -> np.ndarray:
+        return np.divide(self._x, self._cost_sums, out=np.zeros_like(self._x),
+                         where=self._cost_sums > 0)
+
+    def _sd(self) -> np.ndarray:
+        """Standard error of the ratio estimate (0 where fewer than two observations)."""
+        rate, n = self._estimates(), self._counts
+        resid = np.maximum(self._xx - 2.0 * rate * self._xc + rate * rate * self._cc, 0.0)
+        var = np.divide(resid * n, np.maximum(n - 1.0, 1.0) * self._cost_sums ** 2,
+                        out=np.zeros_like(resid), where=(n > 1) & (self._cost_sums > 0))
+        return np.sqrt(var)
+
+    def _scores(self, context: Context) -> np.ndarray:
+        z = np.stack([g.standard_normal(self.n_arms) for g in self.rngs])
+        draw = self._estimates() + self.explore * self._sd() * z
+        return np.where(self._counts < self.min_pulls, np.inf, draw)
