@@ -8,7 +8,9 @@ run gives, per dataset and variant:
 - ρ_τ = τ(variant) / τ(full);
 - ν = head latency(variant) / head latency(full);
 - κ = γ · full-head latency / (full-head step latency − γ · full-head latency);
-- predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) and measured ρ_TPS = TPS(variant) / TPS(full).
+- predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) (SlimSpec) and the acceptance-aware prediction
+  (:func:`flashspec.theory.rho_tps_acceptance`, step cost a + b·accepted fitted on the full
+  variant's steps); measured ρ_TPS = decode TPS(variant) / decode TPS(full), and on wall time.
 
 Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decode writes) and
 ``head_summary.jsonl``; figure ``rho_tps.png`` (predicted against measured).
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -31,7 +34,7 @@ from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import format_table, summarize
 from flashspec.records import RecordWriter, WandbLogger, provenance, read_records
-from flashspec.theory import rho_tps
+from flashspec.theory import rho_tps, rho_tps_acceptance
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -69,8 +72,16 @@ def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
 
 
 def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str, float],
-              gamma: int, methods: dict[str, str]) -> list[dict[str, Any]]:
-    """Per dataset and variant: ρ_τ, ν, κ, predicted and measured ρ_TPS."""
+              gamma: int, methods: dict[str, str], fits: dict[str, tuple[float, float]] | None = None,
+              decode_tps: dict[tuple[str, str], float] | None = None) -> list[dict[str, Any]]:
+    """Per dataset and variant: ρ_τ, ν, κ, predicted and measured ρ_TPS.
+
+    ``fits[dataset]`` = (a, b): the full variant's step seconds a + b·(accepted drafts) (see
+    :func:`step_cost_fit`); with it, ``rho_tps_pred_acc`` is the acceptance-aware prediction.
+    ``decode_tps`` (tokens / decode seconds per (dataset, method)) makes ``rho_tps_meas`` the
+    decode-throughput ratio, the quantity both models describe; ``rho_tps_meas_wall`` also
+    counts the prefill, which no head changes.
+    """
     by = {(r["dataset"], r["method"]): r for r in summary}
     full = methods["full"]
     rows = []
@@ -86,12 +97,50 @@ def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str
                 continue
             rho_tau = r["tau"] / ref["tau"]
             nu = latencies[name] / t_head
+            wall = r["tps"] / ref["tps"]
+            meas = wall if decode_tps is None else \
+                decode_tps[(dataset, method)] / decode_tps[(dataset, full)]
+            acc = None if not fits or dataset not in fits else \
+                rho_tps_acceptance(ref["tau"], r["tau"], nu, gamma * t_head, *fits[dataset])
             rows.append({"dataset": dataset, "variant": name, "method": method, "tau": r["tau"],
                          "rho_tau": rho_tau, "nu": nu, "kappa": kappa,
-                         "rho_tps_pred": rho_tps(rho_tau, nu, kappa),
-                         "rho_tps_meas": r["tps"] / ref["tps"], "tps": r["tps"],
+                         "rho_tps_pred": rho_tps(rho_tau, nu, kappa), "rho_tps_pred_acc": acc,
+                         "rho_tps_meas": meas, "rho_tps_meas_wall": wall, "tps": r["tps"],
                          "head_latency_s": latencies[name], "gamma": gamma})
     return rows
+
+
+def step_cost_fit(records: list[dict], method: str) -> dict[str, tuple[float, float]]:
+    """Per dataset, least squares of ``method``'s step seconds on its accepted drafts: a + b·n.
+
+    Uses the per-step ``step_s`` / ``step_accepted`` of the records, leaving out each call's
+    first step (it also runs the drafter over the whole prompt). b is what an accepted draft
+    adds to a step (the drafter's catch-up over it, committing it); SlimSpec's model has b = 0.
+    """
+    pts: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if r["method"] == method and r.get("step_s") and r.get("step_accepted"):
+            pts.setdefault(r["dataset"], []).extend(zip(r["step_accepted"][1:], r["step_s"][1:]))
+    out = {}
+    for dataset, xy in pts.items():
+        n = np.array([x for x, _ in xy], dtype=float)
+        t = np.array([y for _, y in xy], dtype=float)
+        if len(xy) < 3 or np.ptp(n) == 0:
+            continue
+        b, a = np.polyfit(n, t, 1)
+        out[dataset] = (float(a), float(b))
+    return out
+
+
+def _decode_tps(records: list[dict]) -> dict[tuple[str, str], float]:
+    """Pooled tokens / decode seconds per (dataset, method)."""
+    tok: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        k = (r["dataset"], r["method"])
+        acc = tok.setdefault(k, [0.0, 0.0])
+        acc[0] += r["n_new_tokens"]
+        acc[1] += r["decode_s"]
+    return {k: n / s for k, (n, s) in tok.items() if s > 0}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -107,11 +156,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     kw = dict(params=params, backend=cfg.hardware.verify_backend, seed=int(cfg.seed), eos_ids=eos)
     variants = build_variants(cfg, target, tokenizer)
-    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw))]
+    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw), per_step=True)]
     names: dict[str, str] = {}
     for name, drafter in variants:
         names[name] = f"spec:{drafter.name}@{gamma}"
-        methods.append(engine_method(names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw)))
+        methods.append(engine_method(names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw),
+                                     per_step=True))
     iters = 5 if cfg.smoke else int(exp.timing_iters)
     latencies = {name: head_latency(d, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}
@@ -134,7 +184,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     records = list(read_records(writer.path))
     summary = summarize(records)
     step_s = _step_seconds(records, names["full"])
-    rows = head_rows(summary, latencies, step_s, gamma, names)
+    rows = head_rows(summary, latencies, step_s, gamma, names,
+                     step_cost_fit(records, names["full"]), _decode_tps(records))
     head_writer = RecordWriter(out_dir / "head_summary.jsonl")
     for r in rows:
         head_writer.write({"experiment": "head_decode", **r, "provenance": prov})
@@ -155,7 +206,8 @@ def _step_seconds(records: list[dict], method: str) -> dict[str, float]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "rho_tps_pred", "rho_tps_meas"]
+    cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "rho_tps_pred", "rho_tps_pred_acc",
+            "rho_tps_meas", "rho_tps_meas_wall"]
     cells = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)

@@ -14,16 +14,24 @@ def plot_rho_tps(rows: Iterable[Mapping[str, Any]], path: str | Path | None = No
 
     rows = [r for r in rows if r.get("variant") != "full"]
     fig, ax = plt.subplots(figsize=(5.4, 4.8))
-    values = [v for r in rows for v in (r["rho_tps_pred"], r["rho_tps_meas"])] or [1.0]
+    values = [v for r in rows for v in (r["rho_tps_pred"], r["rho_tps_meas"], r.get("rho_tps_pred_acc"))
+              if v is not None] or [1.0]
     lo, hi = min(values + [1.0]) * 0.95, max(values + [1.0]) * 1.05
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="k", alpha=0.07,
                     label="±5 %")
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     cmap = plt.get_cmap("tab10")
+    acc = any(r.get("rho_tps_pred_acc") is not None for r in rows)
     for r in rows:
-        ax.scatter(r["rho_tps_pred"], r["rho_tps_meas"], marker=MARKERS.get(r["dataset"], "x"),
-                   color=cmap(variants.index(r["variant"]) % 10), s=40)
+        color, marker = cmap(variants.index(r["variant"]) % 10), MARKERS.get(r["dataset"], "x")
+        ax.scatter(r["rho_tps_pred"], r["rho_tps_meas"], marker=marker, s=40,
+                   **({"facecolors": "none", "edgecolors": color} if acc else {"color": color}))
+        if r.get("rho_tps_pred_acc") is not None:
+            ax.scatter(r["rho_tps_pred_acc"], r["rho_tps_meas"], marker=marker, color=color, s=40)
+    if acc:
+        ax.scatter([], [], marker="o", facecolors="none", edgecolors="gray", label="SlimSpec model")
+        ax.scatter([], [], marker="o", color="gray", label="acceptance-aware")
     for i, v in enumerate(variants):
         ax.scatter([], [], color=cmap(i % 10), label=v)
     for d, m in MARKERS.items():
@@ -31,7 +39,7 @@ def plot_rho_tps(rows: Iterable[Mapping[str, Any]], path: str | Path | None = No
             ax.scatter([], [], marker=m, color="gray", label=d)
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("predicted ρ_TPS = ρ_τ(1+κ)/(1+νκ)")
+    ax.set_xlabel("predicted ρ_TPS" + (" (hollow: ρ_τ(1+κ)/(1+νκ))" if acc else " = ρ_τ(1+κ)/(1+νκ)"))
     ax.set_ylabel("measured ρ_TPS = TPS(variant)/TPS(full)")
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
