@@ -39,18 +39,14 @@ class Method:
     run: Callable[[list[list[int]], int, str | None], list[dict[str, Any]]]
 
 
-def engine_method(name: str, engine: SpecEngine, per_step: bool = False) -> Method:
-    """``per_step`` also records each step's seconds and accepted drafts (``step_s``,
-    ``step_accepted``; batch steps: the seconds are the batch's)."""
+def engine_method(name: str, engine: SpecEngine) -> Method:
     def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
         res = engine.generate(prompts, max_new, domain=domain)
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
                  "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99),
-                 "capture_s": res.capture_s,
-                 **({"step_s": [round(t, 6) for t in res.step_s],
-                     "step_accepted": r.step_accepted} if per_step else {})}
+                 "capture_s": res.capture_s}
                 for r in res.rows]
     return Method(name, run)
 
@@ -290,7 +286,7 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
             "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
             "capture_s": st.get("capture_s", 0.0),
-            **{k: st[k] for k in ("step_s", "step_accepted") if k in st},
+            **{k: st[k] for k in ("head_s", "head_calls") if k in st},
             "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
             "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
             "tokens": st["tokens"], "text": text, "provenance": prov}

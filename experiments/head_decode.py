@@ -8,9 +8,9 @@ run gives, per dataset and variant:
 - ρ_τ = τ(variant) / τ(full);
 - ν = head latency(variant) / head latency(full);
 - κ = γ · full-head latency / (full-head step latency − γ · full-head latency);
-- predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) (SlimSpec) and the acceptance-aware prediction
-  (:func:`flashspec.theory.rho_tps_acceptance`, step cost a + b·accepted fitted on the full
-  variant's steps); measured ρ_TPS = decode TPS(variant) / decode TPS(full), and on wall time.
+- predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) (SlimSpec), with ν and κ from the heads timed
+  alone and, as ``*_loop``, from the heads timed inside the decode loop (:class:`TimedHead`);
+  measured ρ_TPS = decode TPS(variant) / decode TPS(full), and on wall time (``*_wall``).
 
 Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decode writes) and
 ``head_summary.jsonl``; figure ``rho_tps.png`` (predicted against measured).
@@ -22,19 +22,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.decode import _decode_batch, engine_method, prompt_turn_ids
+from experiments.decode import Method, _decode_batch, engine_method, prompt_turn_ids
 from flashspec.build import build_drafter, build_target
 from flashspec.data import prompts_from_config
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import format_table, summarize
 from flashspec.records import RecordWriter, WandbLogger, provenance, read_records
-from flashspec.theory import rho_tps, rho_tps_acceptance
+from flashspec.theory import rho_tps
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -72,15 +71,15 @@ def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
 
 
 def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str, float],
-              gamma: int, methods: dict[str, str], fits: dict[str, tuple[float, float]] | None = None,
-              decode_tps: dict[tuple[str, str], float] | None = None) -> list[dict[str, Any]]:
+              gamma: int, methods: dict[str, str], decode_tps: dict[tuple[str, str], float] | None = None,
+              loop: dict[tuple[str, str], dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """Per dataset and variant: ρ_τ, ν, κ, predicted and measured ρ_TPS.
 
-    ``fits[dataset]`` = (a, b): the full variant's step seconds a + b·(accepted drafts) (see
-    :func:`step_cost_fit`); with it, ``rho_tps_pred_acc`` is the acceptance-aware prediction.
-    ``decode_tps`` (tokens / decode seconds per (dataset, method)) makes ``rho_tps_meas`` the
-    decode-throughput ratio, the quantity both models describe; ``rho_tps_meas_wall`` also
-    counts the prefill, which no head changes.
+    ``latencies`` are the heads timed alone (SlimSpec's ν and κ). ``loop[(dataset, method)]``
+    (:func:`loop_stats`) has the heads timed inside the decode loop: ``nu_loop`` / ``kappa_loop``
+    and ``rho_tps_pred_loop``. ``decode_tps`` (tokens / decode seconds) makes ``rho_tps_meas`` the
+    decode-throughput ratio, the quantity the models describe; ``rho_tps_meas_wall`` also counts
+    the prefill, which no head changes.
     """
     by = {(r["dataset"], r["method"]): r for r in summary}
     full = methods["full"]
@@ -91,6 +90,7 @@ def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str
             continue
         t_head = latencies["full"]
         kappa = gamma * t_head / max(step_s[dataset] - gamma * t_head, 1e-9)
+        lf = (loop or {}).get((dataset, full))
         for name, method in methods.items():
             r = by.get((dataset, method))
             if r is None:
@@ -100,36 +100,72 @@ def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str
             wall = r["tps"] / ref["tps"]
             meas = wall if decode_tps is None else \
                 decode_tps[(dataset, method)] / decode_tps[(dataset, full)]
-            acc = None if not fits or dataset not in fits else \
-                rho_tps_acceptance(ref["tau"], r["tau"], nu, gamma * t_head, *fits[dataset])
-            rows.append({"dataset": dataset, "variant": name, "method": method, "tau": r["tau"],
-                         "rho_tau": rho_tau, "nu": nu, "kappa": kappa,
-                         "rho_tps_pred": rho_tps(rho_tau, nu, kappa), "rho_tps_pred_acc": acc,
-                         "rho_tps_meas": meas, "rho_tps_meas_wall": wall, "tps": r["tps"],
-                         "head_latency_s": latencies[name], "gamma": gamma})
+            row = {"dataset": dataset, "variant": name, "method": method, "tau": r["tau"],
+                   "rho_tau": rho_tau, "nu": nu, "kappa": kappa,
+                   "rho_tps_pred": rho_tps(rho_tau, nu, kappa), "rho_tps_meas": meas,
+                   "rho_tps_meas_wall": wall, "tps": r["tps"], "head_latency_s": latencies[name],
+                   "gamma": gamma}
+            lv = (loop or {}).get((dataset, method))
+            if lf and lv and lf["call_s"] > 0:
+                head = lf["head_per_step"]
+                row["nu_loop"] = nu_loop = lv["call_s"] / lf["call_s"]
+                row["kappa_loop"] = k_loop = head / max(lf["step"] - head, 1e-9)
+                row["rho_tps_pred_loop"] = rho_tps(rho_tau, nu_loop, k_loop)
+            rows.append(row)
     return rows
 
 
-def step_cost_fit(records: list[dict], method: str) -> dict[str, tuple[float, float]]:
-    """Per dataset, least squares of ``method``'s step seconds on its accepted drafts: a + b·n.
-
-    Uses the per-step ``step_s`` / ``step_accepted`` of the records, leaving out each call's
-    first step (it also runs the drafter over the whole prompt). b is what an accepted draft
-    adds to a step (the drafter's catch-up over it, committing it); SlimSpec's model has b = 0.
-    """
-    pts: dict[str, list[tuple[int, float]]] = {}
+def loop_stats(records: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (dataset, method) with ``head_s`` / ``head_calls`` records: mean seconds per head
+    call (``call_s``), head seconds per decode step and decode seconds per step."""
+    acc: dict[tuple[str, str], list[float]] = {}
     for r in records:
-        if r["method"] == method and r.get("step_s") and r.get("step_accepted"):
-            pts.setdefault(r["dataset"], []).extend(zip(r["step_accepted"][1:], r["step_s"][1:]))
-    out = {}
-    for dataset, xy in pts.items():
-        n = np.array([x for x, _ in xy], dtype=float)
-        t = np.array([y for _, y in xy], dtype=float)
-        if len(xy) < 3 or np.ptp(n) == 0:
-            continue
-        b, a = np.polyfit(n, t, 1)
-        out[dataset] = (float(a), float(b))
-    return out
+        if r.get("head_calls"):
+            a = acc.setdefault((r["dataset"], r["method"]), [0.0, 0.0, 0.0, 0.0])
+            for i, k in enumerate(("head_s", "head_calls", "steps", "decode_s")):
+                a[i] += r[k]
+    return {k: {"call_s": h / n, "head_per_step": h / steps, "step": d / steps}
+            for k, (h, n, steps, d) in acc.items() if n and steps}
+
+
+class TimedHead(torch.nn.Module):
+    """A drafter's head with a stopwatch: seconds and calls while ``on`` (synchronised on CUDA).
+
+    It wraps the drafter's reference to the head only, so a head the target shares (EAGLE's
+    full head is the target's own) is not timed when the target calls it.
+    """
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.on, self.seconds, self.calls = head, False, 0.0, 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.on:
+            return self.inner(h)
+        _sync(h)
+        t0 = time.perf_counter()
+        out = self.inner(h)
+        _sync(out)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def _sync(x: torch.Tensor) -> None:
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+
+
+def timed_method(m: Method, clock: TimedHead) -> Method:
+    """``m`` whose rows also carry the head seconds and calls of that decode call."""
+    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
+        clock.seconds, clock.calls, clock.on = 0.0, 0, True
+        try:
+            rows = m.run(prompts, max_new, domain)
+        finally:
+            clock.on = False
+        return [{**r, "head_s": clock.seconds, "head_calls": clock.calls} for r in rows]
+    return Method(m.name, run)
 
 
 def _decode_tps(records: list[dict]) -> dict[tuple[str, str], float]:
@@ -156,12 +192,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     kw = dict(params=params, backend=cfg.hardware.verify_backend, seed=int(cfg.seed), eos_ids=eos)
     variants = build_variants(cfg, target, tokenizer)
-    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw), per_step=True)]
+    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw))]
     names: dict[str, str] = {}
     for name, drafter in variants:
         names[name] = f"spec:{drafter.name}@{gamma}"
-        methods.append(engine_method(names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw),
-                                     per_step=True))
+        drafter.head = clock = TimedHead(drafter.head)
+        methods.append(timed_method(engine_method(
+            names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw)), clock))
     iters = 5 if cfg.smoke else int(exp.timing_iters)
     latencies = {name: head_latency(d, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}
@@ -184,8 +221,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     records = list(read_records(writer.path))
     summary = summarize(records)
     step_s = _step_seconds(records, names["full"])
-    rows = head_rows(summary, latencies, step_s, gamma, names,
-                     step_cost_fit(records, names["full"]), _decode_tps(records))
+    rows = head_rows(summary, latencies, step_s, gamma, names, _decode_tps(records),
+                     loop_stats(records))
     head_writer = RecordWriter(out_dir / "head_summary.jsonl")
     for r in rows:
         head_writer.write({"experiment": "head_decode", **r, "provenance": prov})
@@ -206,9 +243,10 @@ def _step_seconds(records: list[dict], method: str) -> dict[str, float]:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "rho_tps_pred", "rho_tps_pred_acc",
-            "rho_tps_meas", "rho_tps_meas_wall"]
-    cells = [cols] + [[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "nu_loop", "kappa_loop",
+            "rho_tps_pred", "rho_tps_pred_loop", "rho_tps_meas", "rho_tps_meas_wall"]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
+    cells = [cols] + [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
 

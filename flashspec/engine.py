@@ -50,7 +50,6 @@ class RowResult:
     accept_hist: list[int] = field(default_factory=list)
     arms: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
-    step_accepted: list[int] = field(default_factory=list)   # accepted drafts, step by step
 
     @property
     def alpha(self) -> float | None:
@@ -329,6 +328,5 @@ class SpecEngine:
             if len(row.accept_hist) <= gamma:
                 row.accept_hist.extend([0] * (gamma + 1 - len(row.accept_hist)))
             row.accept_hist[n] += 1
-            row.step_accepted.append(n)
             proposed, accepted = proposed + gamma, accepted + n
         return proposed, accepted

@@ -10,18 +10,6 @@ def rho_tps(rho_tau: float, nu: float, kappa: float) -> float:
     return rho_tau * (1.0 + kappa) / (1.0 + nu * kappa)
 
 
-def rho_tps_acceptance(tau_full: float, tau: float, nu: float, head_s: float, a: float,
-                       b: float) -> float:
-    """ρ_TPS when a step's cost also grows with its accepted drafts: step(n) = a + b·n.
-
-    (a, b) are fitted on the full-head variant's steps (``head_s`` = γ × its head latency);
-    a variant's step costs a − (1 − ν)·head_s + b·n, and emits τ tokens with n = τ − 1 on
-    average. With b = 0 this is :func:`rho_tps` with κ = head_s / (a − head_s).
-    """
-    full = tau_full / (a + b * (tau_full - 1.0))
-    return tau / (a - (1.0 - nu) * head_s + b * (tau - 1.0)) / full
-
-
 def expected_tau(alpha: float, gamma: int) -> float:
     """Expected tokens per target forward for i.i.d. acceptance rate α: (1 − α^{γ+1}) / (1 − α)."""
     if alpha >= 1.0:

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from experiments.head_decode import _decode_tps, _step_seconds, head_rows, step_cost_fit
+from experiments.head_decode import _decode_tps, _step_seconds, head_rows, loop_stats
 from flashspec.bandits.stream_plot import arm_names, stream
-from flashspec.theory import rho_tps, rho_tps_acceptance
+from flashspec.theory import rho_tps
 
 
 def _summary(tau_full, tps_full, tau_low, tps_low):
@@ -28,38 +28,37 @@ def test_head_rows_ratios_and_prediction():
     assert full["rho_tau"] == 1.0 and full["rho_tps_pred"] == pytest.approx(1.0)
 
 
-def test_acceptance_aware_model_reduces_to_slimspec_and_sees_acceptance_cost():
-    # a = 40 ms step (3 x 4 ms of head), no acceptance cost: SlimSpec's model exactly
-    assert rho_tps_acceptance(2.0, 1.9, 0.2, 0.012, 0.040, 0.0) == pytest.approx(
-        rho_tps(0.95, 0.2, 0.012 / 0.028))
-    # each accepted draft costs 5 ms: a variant accepting nothing saves that too
-    slim = rho_tps_acceptance(2.0, 1.0, 1.0, 0.012, 0.040, 0.0)
-    aware = rho_tps_acceptance(2.0, 1.0, 1.0, 0.012, 0.040, 0.005)
-    assert slim == pytest.approx(0.5) and aware == pytest.approx((1 / 0.040) / (2 / 0.045))
-
-
-def test_step_cost_fit_recovers_the_line_and_skips_first_steps():
-    recs = [{"method": "m", "dataset": "d", "step_accepted": [3, 0, 1, 2, 3],
-             "step_s": [9.0, 0.030, 0.035, 0.040, 0.045]},
-            {"method": "m", "dataset": "d", "step_accepted": [0, 2, 0],
-             "step_s": [5.0, 0.040, 0.030]},
-            {"method": "other", "dataset": "d", "step_accepted": [0, 3], "step_s": [1.0, 1.0]}]
-    (a, b), = step_cost_fit(recs, "m").values()
-    assert a == pytest.approx(0.030) and b == pytest.approx(0.005)
-    assert step_cost_fit([recs[1]], "m") == {}            # two points: not fitted
-
-
-def test_head_rows_measure_decode_throughput_when_given():
+def test_head_rows_measure_decode_throughput_and_heads_in_the_loop():
     methods = {"full": "spec:e[full]@3", "low": "spec:e[low]@3"}
-    recs = [{"dataset": "humaneval", "method": methods["full"], "n_new_tokens": 100, "decode_s": 2.0},
-            {"dataset": "humaneval", "method": methods["low"], "n_new_tokens": 100, "decode_s": 1.6}]
+    recs = [{"dataset": "humaneval", "method": methods["full"], "n_new_tokens": 100, "decode_s": 2.0,
+             "steps": 50, "head_s": 0.6, "head_calls": 150},       # 4 ms a call, 12 ms a step
+            {"dataset": "humaneval", "method": methods["low"], "n_new_tokens": 100, "decode_s": 1.6,
+             "steps": 52, "head_s": 0.156, "head_calls": 156},     # 1 ms a call
+            {"dataset": "humaneval", "method": "ar", "n_new_tokens": 100, "decode_s": 3.0,
+             "steps": 100}]
+    loop = loop_stats(recs)
+    assert set(loop) == {("humaneval", methods["full"]), ("humaneval", methods["low"])}
     rows = head_rows(_summary(2.0, 50.0, 1.9, 55.0), {"full": 0.004, "low": 0.0008},
-                     {"humaneval": 0.040}, 3, methods, {"humaneval": (0.035, 0.005)},
-                     _decode_tps(recs))
+                     {"humaneval": 0.040}, 3, methods, _decode_tps(recs), loop)
     low = next(r for r in rows if r["variant"] == "low")
     assert low["rho_tps_meas"] == pytest.approx(1.25) and low["rho_tps_meas_wall"] == pytest.approx(1.1)
-    assert low["rho_tps_pred_acc"] == pytest.approx(
-        rho_tps_acceptance(2.0, 1.9, 0.2, 0.012, 0.035, 0.005))
+    assert low["nu_loop"] == pytest.approx(0.25) and low["kappa_loop"] == pytest.approx(0.012 / 0.028)
+    assert low["rho_tps_pred_loop"] == pytest.approx(rho_tps(0.95, 0.25, 0.012 / 0.028))
+    assert "nu_loop" not in head_rows(_summary(2.0, 50.0, 1.9, 55.0), {"full": 0.004, "low": 0.0008},
+                                      {"humaneval": 0.040}, 3, methods)[1]
+
+
+def test_timed_head_times_only_while_on():
+    import torch
+    from experiments.head_decode import TimedHead
+    lin = torch.nn.Linear(4, 3)
+    clock = TimedHead(lin)
+    h = torch.randn(2, 4)
+    assert torch.equal(clock(h), lin(h)) and clock.calls == 0
+    clock.on = True
+    clock(h)
+    clock(h)
+    assert clock.calls == 2 and clock.seconds > 0
 
 
 def test_step_seconds_is_a_ratio_of_sums():
