@@ -10,7 +10,9 @@ run gives, per dataset and variant:
 - κ = γ · full-head latency / (full-head step latency − γ · full-head latency);
 - predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) (SlimSpec), with ν and κ from the heads timed
   alone and, as ``*_loop``, from the heads timed inside the decode loop (:class:`TimedHead`);
-  measured ρ_TPS = decode TPS(variant) / decode TPS(full), and on wall time (``*_wall``).
+  measured ρ_TPS = decode TPS(variant) / decode TPS(full); on wall time with the prefill
+  (DESIGN's TPS) as ``rho_tps_meas_wall``, predicted by ``rho_tps_pred_wall`` from the full
+  head's measured prefill and decode seconds.
 
 Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decode writes) and
 ``head_summary.jsonl``; figure ``rho_tps.png`` (predicted against measured).
@@ -71,15 +73,18 @@ def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
 
 
 def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str, float],
-              gamma: int, methods: dict[str, str], decode_tps: dict[tuple[str, str], float] | None = None,
+              gamma: int, methods: dict[str, str],
+              phases: dict[tuple[str, str], dict[str, float]] | None = None,
               loop: dict[tuple[str, str], dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """Per dataset and variant: ρ_τ, ν, κ, predicted and measured ρ_TPS.
 
     ``latencies`` are the heads timed alone (SlimSpec's ν and κ). ``loop[(dataset, method)]``
     (:func:`loop_stats`) has the heads timed inside the decode loop: ``nu_loop`` / ``kappa_loop``
-    and ``rho_tps_pred_loop``. ``decode_tps`` (tokens / decode seconds) makes ``rho_tps_meas`` the
-    decode-throughput ratio, the quantity the models describe; ``rho_tps_meas_wall`` also counts
-    the prefill, which no head changes.
+    and ``rho_tps_pred_loop``. With ``phases`` (:func:`phase_seconds`), ``rho_tps_meas`` is the
+    decode-throughput ratio, the quantity the model describes. ``rho_tps_meas_wall`` is the
+    ratio of wall-time TPS with the prefill included (DESIGN's TPS), and ``rho_tps_pred_wall``
+    predicts it: the full head's measured prefill P and decode D, with the variant's decode
+    shortened by the predicted ratio, (P + D) / (P + D / ρ) (the in-loop ρ where there is one).
     """
     by = {(r["dataset"], r["method"]): r for r in summary}
     full = methods["full"]
@@ -91,26 +96,30 @@ def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str
         t_head = latencies["full"]
         kappa = gamma * t_head / max(step_s[dataset] - gamma * t_head, 1e-9)
         lf = (loop or {}).get((dataset, full))
+        pf = (phases or {}).get((dataset, full))
         for name, method in methods.items():
             r = by.get((dataset, method))
             if r is None:
                 continue
             rho_tau = r["tau"] / ref["tau"]
             nu = latencies[name] / t_head
-            wall = r["tps"] / ref["tps"]
-            meas = wall if decode_tps is None else \
-                decode_tps[(dataset, method)] / decode_tps[(dataset, full)]
             row = {"dataset": dataset, "variant": name, "method": method, "tau": r["tau"],
                    "rho_tau": rho_tau, "nu": nu, "kappa": kappa,
-                   "rho_tps_pred": rho_tps(rho_tau, nu, kappa), "rho_tps_meas": meas,
-                   "rho_tps_meas_wall": wall, "tps": r["tps"], "head_latency_s": latencies[name],
-                   "gamma": gamma}
+                   "rho_tps_pred": rho_tps(rho_tau, nu, kappa),
+                   "rho_tps_meas": r["tps"] / ref["tps"], "rho_tps_meas_wall": r["tps"] / ref["tps"],
+                   "tps": r["tps"], "head_latency_s": latencies[name], "gamma": gamma}
             lv = (loop or {}).get((dataset, method))
             if lf and lv and lf["call_s"] > 0:
                 head = lf["head_per_step"]
                 row["nu_loop"] = nu_loop = lv["call_s"] / lf["call_s"]
                 row["kappa_loop"] = k_loop = head / max(lf["step"] - head, 1e-9)
                 row["rho_tps_pred_loop"] = rho_tps(rho_tau, nu_loop, k_loop)
+            pv = (phases or {}).get((dataset, method))
+            if pf and pv:
+                row["rho_tps_meas"] = (pv["tokens"] / pv["decode"]) / (pf["tokens"] / pf["decode"])
+                pred = row.get("rho_tps_pred_loop", row["rho_tps_pred"])
+                prefill = pf["wall"] - pf["decode"]
+                row["rho_tps_pred_wall"] = (prefill + pf["decode"]) / (prefill + pf["decode"] / pred)
             rows.append(row)
     return rows
 
@@ -168,15 +177,15 @@ def timed_method(m: Method, clock: TimedHead) -> Method:
     return Method(m.name, run)
 
 
-def _decode_tps(records: list[dict]) -> dict[tuple[str, str], float]:
-    """Pooled tokens / decode seconds per (dataset, method)."""
-    tok: dict[tuple[str, str], list[float]] = {}
+def phase_seconds(records: list[dict]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (dataset, method): new tokens, wall seconds and decode seconds, summed."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
     for r in records:
-        k = (r["dataset"], r["method"])
-        acc = tok.setdefault(k, [0.0, 0.0])
-        acc[0] += r["n_new_tokens"]
-        acc[1] += r["decode_s"]
-    return {k: n / s for k, (n, s) in tok.items() if s > 0}
+        acc = out.setdefault((r["dataset"], r["method"]), {"tokens": 0.0, "wall": 0.0, "decode": 0.0})
+        acc["tokens"] += r["n_new_tokens"]
+        acc["wall"] += r["wall_s"]
+        acc["decode"] += r["decode_s"]
+    return {k: v for k, v in out.items() if v["decode"] > 0}
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -221,7 +230,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     records = list(read_records(writer.path))
     summary = summarize(records)
     step_s = _step_seconds(records, names["full"])
-    rows = head_rows(summary, latencies, step_s, gamma, names, _decode_tps(records),
+    rows = head_rows(summary, latencies, step_s, gamma, names, phase_seconds(records),
                      loop_stats(records))
     head_writer = RecordWriter(out_dir / "head_summary.jsonl")
     for r in rows:
@@ -244,7 +253,8 @@ def _step_seconds(records: list[dict], method: str) -> dict[str, float]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     cols = ["dataset", "variant", "tau", "rho_tau", "nu", "kappa", "nu_loop", "kappa_loop",
-            "rho_tps_pred", "rho_tps_pred_loop", "rho_tps_meas", "rho_tps_meas_wall"]
+            "rho_tps_pred", "rho_tps_pred_loop", "rho_tps_meas", "rho_tps_pred_wall",
+            "rho_tps_meas_wall"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("-" if v is None else str(v))
     cells = [cols] + [[fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from experiments.head_decode import _decode_tps, _step_seconds, head_rows, loop_stats
+from experiments.head_decode import _step_seconds, head_rows, loop_stats, phase_seconds
 from flashspec.bandits.stream_plot import arm_names, stream
 from flashspec.theory import rho_tps
 
@@ -31,17 +31,20 @@ def test_head_rows_ratios_and_prediction():
 def test_head_rows_measure_decode_throughput_and_heads_in_the_loop():
     methods = {"full": "spec:e[full]@3", "low": "spec:e[low]@3"}
     recs = [{"dataset": "humaneval", "method": methods["full"], "n_new_tokens": 100, "decode_s": 2.0,
-             "steps": 50, "head_s": 0.6, "head_calls": 150},       # 4 ms a call, 12 ms a step
+             "wall_s": 2.5, "steps": 50, "head_s": 0.6, "head_calls": 150},   # 4 ms a call, 12 a step
             {"dataset": "humaneval", "method": methods["low"], "n_new_tokens": 100, "decode_s": 1.6,
-             "steps": 52, "head_s": 0.156, "head_calls": 156},     # 1 ms a call
+             "wall_s": 2.1, "steps": 52, "head_s": 0.156, "head_calls": 156},  # 1 ms a call
             {"dataset": "humaneval", "method": "ar", "n_new_tokens": 100, "decode_s": 3.0,
-             "steps": 100}]
+             "wall_s": 3.5, "steps": 100}]
     loop = loop_stats(recs)
     assert set(loop) == {("humaneval", methods["full"]), ("humaneval", methods["low"])}
     rows = head_rows(_summary(2.0, 50.0, 1.9, 55.0), {"full": 0.004, "low": 0.0008},
-                     {"humaneval": 0.040}, 3, methods, _decode_tps(recs), loop)
+                     {"humaneval": 0.040}, 3, methods, phase_seconds(recs), loop)
     low = next(r for r in rows if r["variant"] == "low")
     assert low["rho_tps_meas"] == pytest.approx(1.25) and low["rho_tps_meas_wall"] == pytest.approx(1.1)
+    # prefill 0.5 s + decode 2 s of the full head; the variant's decode is 2 s / predicted ratio
+    pred = low["rho_tps_pred_loop"]
+    assert low["rho_tps_pred_wall"] == pytest.approx(2.5 / (0.5 + 2.0 / pred))
     assert low["nu_loop"] == pytest.approx(0.25) and low["kappa_loop"] == pytest.approx(0.012 / 0.028)
     assert low["rho_tps_pred_loop"] == pytest.approx(rho_tps(0.95, 0.25, 0.012 / 0.028))
     assert "nu_loop" not in head_rows(_summary(2.0, 50.0, 1.9, 55.0), {"full": 0.004, "low": 0.0008},

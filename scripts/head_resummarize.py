@@ -1,0 +1,43 @@
+"""Recompute ``head_summary.jsonl`` and ``rho_tps.png`` of head_decode runs from their records,
+without decoding again (the heads' isolated latencies are read from the old summary).
+
+    python scripts/head_resummarize.py experiments/results/head_decode_v2/humaneval ...
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments.head_decode import (_figure, _step_seconds, head_rows, loop_stats,  # noqa: E402
+                                     phase_seconds)
+from flashspec.metrics import summarize  # noqa: E402
+
+
+def resummarize(run_dir: Path, commit: str) -> int:
+    """Rewrite one run directory's summary; returns the number of rows."""
+    old = [json.loads(line) for line in open(run_dir / "head_summary.jsonl")]
+    records = [json.loads(line) for line in open(run_dir / "records.jsonl")]
+    latencies = {r["variant"]: r["head_latency_s"] for r in old}
+    names = {r["variant"]: r["method"] for r in old}
+    rows = head_rows(summarize(records), latencies, _step_seconds(records, names["full"]),
+                     old[0]["gamma"], names, phase_seconds(records), loop_stats(records))
+    with open(run_dir / "head_summary.jsonl", "w") as fh:
+        for r in rows:
+            fh.write(json.dumps({"experiment": "head_decode", **r, "provenance": old[0]["provenance"],
+                                 "resummarized_at": commit}) + "\n")
+    _figure(rows, run_dir / "rho_tps.png")
+    return len(rows)
+
+
+def main() -> int:
+    commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    for d in sys.argv[1:]:
+        print(d, resummarize(Path(d), commit), "rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
