@@ -260,3 +260,21 @@ def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
     assert cmp["best_fixed"] == "spec:x@3" and cmp["vs_best_fixed"] == pytest.approx(2.4)
     assert cmp["vs_mean_fixed"] == pytest.approx(120.0 / 37.5)
     assert bandit_vs_fixed(recs[:4]) is None
+
+
+def test_rate_thompson_does_not_lock_out_an_arm_after_two_zero_rewards():
+    """The better arm starts with two zero rewards (its own variance is 0), then always pays 1;
+    the other pays Bernoulli(0.5). The variance pooled over arms keeps the first arm's posterior
+    open, so it is played again and wins; without the prior it is never played again."""
+    def run(**kw):
+        pol = make_policy("rate_thompson", 2, 0, **kw)
+        for arm, r in ((0, 0.0), (0, 0.0), (1, 0.0), (1, 1.0)):
+            pol.update(arm, r)
+        rng, arms = np.random.default_rng(1), []
+        for _ in range(300):
+            a = pol.select()
+            arms.append(a)
+            pol.update(a, 1.0 if a == 0 else float(rng.random() < 0.5))
+        return arms
+    assert run()[-100:].count(0) > 90
+    assert run(prior_weight=0.0).count(0) == 0

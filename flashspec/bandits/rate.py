@@ -18,21 +18,26 @@ from flashspec.errors import FlashSpecError
 class RateThompson(Policy):
     """Gaussian Thompson sampling on the ratio estimate R = X / C (X = Σ r·c, C = Σ c).
 
-    The posterior of R is the ratio estimator's normal approximation: mean R̂, variance
-    Σ (x_i − R̂ c_i)² / C² · n / (n − 1) (the delta method). Each step plays the arm with the
-    largest draw R̂ + explore · sd · N(0, 1); an arm seen fewer than ``min_pulls`` times plays
-    first. Rewards are not squashed to [0, 1], so ``reward_scale`` does not matter here.
+    The posterior of R is the ratio estimator's normal approximation (the delta method): mean
+    R̂, variance n · σ² / C², where σ² is the arm's residual variance Σ (x_i − R̂ c_i)² / (n − 1)
+    shrunk towards the variance pooled over all arms with ``prior_weight`` pseudo-steps. The
+    shrinkage keeps an arm whose first steps happened to agree (two zero rewards: σ² = 0)
+    from being locked out for good. Each step plays the arm with the largest draw
+    R̂ + explore · sd · N(0, 1); an arm seen fewer than ``min_pulls`` times plays first.
+    Rewards are not squashed to [0, 1], so ``reward_scale`` does not matter here.
     """
 
     name = "rate_thompson"
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, explore: float = 1.0,
-                 min_pulls: int = 2, **kw: float) -> None:
+                 min_pulls: int = 2, prior_weight: float = 1.0, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
-        if not explore >= 0 or int(min_pulls) < 2:
-            raise FlashSpecError(f"bandit={self.name}: explore={explore} must be >= 0 and "
+        if not explore >= 0 or int(min_pulls) < 2 or not prior_weight >= 0:
+            raise FlashSpecError(f"bandit={self.name}: explore={explore} and "
+                                 f"prior_weight={prior_weight} must be >= 0 and "
                                  f"min_pulls={min_pulls} >= 2 (a variance needs two steps)")
         self.explore, self.min_pulls = float(explore), int(min_pulls)
+        self.prior_weight = float(prior_weight)
         shape = (self.n_envs, self.n_arms)
         self._x, self._xx, self._xc, self._cc = (np.zeros(shape) for _ in range(4))
 
@@ -54,8 +59,11 @@ class RateThompson(Policy):
         """Standard error of the ratio estimate (0 where fewer than two observations)."""
         rate, n = self._estimates(), self._counts
         resid = np.maximum(self._xx - 2.0 * rate * self._xc + rate * rate * self._cc, 0.0)
-        var = np.divide(resid * n, np.maximum(n - 1.0, 1.0) * self._cost_sums ** 2,
-                        out=np.zeros_like(resid), where=(n > 1) & (self._cost_sums > 0))
+        dof = np.maximum(n - 1.0, 0.0)
+        pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
+        sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
+        var = np.divide(n * sigma2, self._cost_sums ** 2, out=np.zeros_like(resid),
+                        where=(n > 1) & (self._cost_sums > 0))
         return np.sqrt(var)
 
     def _scores(self, context: Context) -> np.ndarray:
