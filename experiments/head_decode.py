@@ -188,6 +188,14 @@ def phase_seconds(records: list[dict]) -> dict[tuple[str, str], dict[str, float]
     return {k: v for k, v in out.items() if v["decode"] > 0}
 
 
+def rows_from_records(records: list[dict], latencies: dict[str, float], gamma: int,
+                      methods: dict[str, str], summary: list[dict] | None = None) -> list[dict[str, Any]]:
+    """:func:`head_rows` from one run's decode records (``summary``: their ``summarize``)."""
+    return head_rows(summary if summary is not None else summarize(records), latencies,
+                     _step_seconds(records, methods["full"]), gamma, methods,
+                     phase_seconds(records), loop_stats(records))
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode the prompts with every head variant (and AR); write records, summary and figure."""
     torch.manual_seed(int(cfg.seed))
@@ -229,9 +237,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 bar.update()
     records = list(read_records(writer.path))
     summary = summarize(records)
-    step_s = _step_seconds(records, names["full"])
-    rows = head_rows(summary, latencies, step_s, gamma, names, phase_seconds(records),
-                     loop_stats(records))
+    rows = rows_from_records(records, latencies, gamma, names, summary)
     head_writer = RecordWriter(out_dir / "head_summary.jsonl")
     for r in rows:
         head_writer.write({"experiment": "head_decode", **r, "provenance": prov})

@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments.head_decode import (_figure, _step_seconds, head_rows, loop_stats,  # noqa: E402
-                                     phase_seconds)
-from flashspec.metrics import summarize  # noqa: E402
+from experiments.head_decode import _figure, rows_from_records  # noqa: E402
 
 
 def resummarize(run_dir: Path, commit: str) -> int:
@@ -22,8 +20,7 @@ def resummarize(run_dir: Path, commit: str) -> int:
     records = [json.loads(line) for line in open(run_dir / "records.jsonl")]
     latencies = {r["variant"]: r["head_latency_s"] for r in old}
     names = {r["variant"]: r["method"] for r in old}
-    rows = head_rows(summarize(records), latencies, _step_seconds(records, names["full"]),
-                     old[0]["gamma"], names, phase_seconds(records), loop_stats(records))
+    rows = rows_from_records(records, latencies, old[0]["gamma"], names)
     with open(run_dir / "head_summary.jsonl", "w") as fh:
         for r in rows:
             fh.write(json.dumps({"experiment": "head_decode", **r, "provenance": old[0]["provenance"],
