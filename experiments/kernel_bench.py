@@ -125,12 +125,16 @@ def margins(args: tuple, params: SamplingParams, seed: int, row: int) -> dict:
     acc = (torch.log(u) - (logp[:gamma].gather(-1, t[:, None])[:, 0]
                            - logq.gather(-1, t[:, None])[:, 0]))
     n = int(((acc < 0).int().cumprod(0)).sum())
-    logw = logp[n] if n == gamma else reference.residual_logweights(logp[n], logq[n])
-    vocab = torch.arange(x.shape[-1], device=x.device)
-    keys = logw - torch.log(-torch.log(rng.uniform(seed, streams[n], vocab)))
-    top = keys.topk(2).values
+    w = logp[n].exp() if n == gamma else reference.race_weights(logp[n], logq[n])
+    vocab = x.shape[-1]
+    nb = -(-vocab // reference.RACE_BLOCK)
+    masses = torch.nn.functional.pad(w, (0, nb * reference.RACE_BLOCK - vocab)).view(nb, -1)
+    blocks = torch.arange(nb, device=x.device)
+    ub = rng.uniform(seed, streams[n], vocab + 1 + blocks)
+    keys = masses.sum(-1).log() - torch.log(-torch.log(ub))
+    top = keys.topk(min(2, nb)).values
     return {"accept_margin": [float(v) for v in acc[:n + 1]], "jstar": n,
-            "race_top2_gap": float(top[0] - top[1])}
+            "race_block_top2_gap": float(top[0] - top[-1])}
 
 
 def mismatches(ref: tuple, got: tuple, where: str, limit: int = 4) -> list[dict]:

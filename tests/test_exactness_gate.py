@@ -45,6 +45,7 @@ TORCH_CASES = [
     Case(1.0, top_k=10, arms=(ArmSpec(gamma=1, one_hot=True),)),
     Case(1.5, top_p=0.9, arms=(ONE_HOT,)),
     Case(1.5, top_k=50, top_p=0.8, arms=(ArmSpec(overlap=0.7, gamma=4),)),
+    Case(1.0, vocab=2500, length=3, arms=(ArmSpec(gamma=2),)),    # three race blocks
 ]
 # triton (TRITON_INTERPRET=1 on CPU): same 10,000 rows; fused top-k path included.
 TRITON_CASES = [
@@ -53,6 +54,7 @@ TRITON_CASES = [
     Case(1.0, top_k=50, arms=(ArmSpec(overlap=0.7, gamma=3),)),
 ]
 BUG_CASE = TORCH_CASES[1]            # T = 0.7, full q: passes with the real verify (above)
+BLOCK_CASE = TORCH_CASES[-1]         # several race blocks: where a block-level bug can show
 BANDIT_ARMS = (ArmSpec(0.95, 3), ArmSpec(0.7, 1), ArmSpec(0.9, 2, one_hot=True))
 
 
@@ -121,7 +123,7 @@ def test_gate_calibration_on_direct_samples() -> None:
 
 @pytest.mark.parametrize("bug", BUGS)
 def test_gate_fails_on_planted_bug(bug: str) -> None:
-    result, run = run_case(BUG_CASE, make_verify(bug))
+    result, run = run_case(BLOCK_CASE if bug == "block_by_max" else BUG_CASE, make_verify(bug))
     _report(f"planted {bug}", result, run)
     assert not result.passed, f"the gate missed planted bug {bug}: {result.summary()}"
 
@@ -141,7 +143,7 @@ def test_gate_fails_when_policy_peeks_at_current_draft() -> None:
 def test_unbugged_variant_matches_reference(params: SamplingParams, one_hot: bool) -> None:
     """The planted variants differ from the library's rule by their bug alone."""
     gen = torch.Generator().manual_seed(3)
-    batch, gamma, vocab = 64, 4, 300
+    batch, gamma, vocab = 64, 4, 2300
     target = 3 * torch.randn(batch, gamma + 1, vocab, generator=gen)
     target[:, :, :20] = float("-inf")
     draft = target[:, :gamma].nan_to_num(neginf=0.0) + torch.randn(batch, gamma, vocab, generator=gen)

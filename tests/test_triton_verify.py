@@ -128,7 +128,7 @@ def test_small_gpu_geometry_in_interpreter():
     """The GPU plan (one row per program, several chunks and tiles) gives the same answers."""
     gen = torch.Generator().manual_seed(11)
     x, drafts, q = make_case(gen, 3, 2, 3000, 1.0, True, torch.bfloat16, 3.0, 0.1, False)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=512, rblock=256, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1024, warps=4, rwarps=4)
     for params in (SamplingParams(1.0), SamplingParams(0.0), SamplingParams(1.0, top_k=9)):
         ref = reference.verify(x, drafts, q, params, 8)
         got = tb.launch(x, drafts, q, params, 8, geometry=plan)
@@ -263,7 +263,7 @@ def test_float_max_and_neg_inf_chunks(temp):
     x[1, 2, 1500] = -fmax
     drafts = torch.tensor([[2100, 2100], [5, 2999]], device=DEVICE)
     x = x.to(DEVICE)
-    plan = tb.Plan(rows=1, chunk=1024, block=256, rchunk=512, rblock=256, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, block=256, rchunk=1024, warps=4, rwarps=4)
     params = SamplingParams(temperature=temp)
     assert_same(x, drafts, None, params, 4)
     ref = reference.verify(x, drafts, None, params, 4)
@@ -286,7 +286,7 @@ def test_chunk_argmax_ties_across_lanes_and_tiles(dtype):
     drafts = torch.zeros(6, 1, dtype=torch.long)
     x = x.to(dtype).to(DEVICE)
     drafts = drafts.to(DEVICE)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=512, rblock=256, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1024, warps=4, rwarps=4)
     for params in (SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=3)):
         ref = reference.verify(x, drafts, x[:, :1].flip(-1), params, 6)
         got = tb.launch(x, drafts, x[:, :1].flip(-1), params, 6, geometry=plan)
@@ -295,35 +295,12 @@ def test_chunk_argmax_ties_across_lanes_and_tiles(dtype):
     assert out[:, 0].tolist() == [min(i) for i in ties] and n.tolist() == [0] * 6
 
 
-def test_race_bound_covers_keys():
-    """The cheap bound that lets pass 2 skip tiles is >= the precise key log p - log(-log u)
-    (which is >= the residual key) for u over the whole hash range and log p near 0..-1e4."""
-    @triton.jit
-    def kern(lp_ptr, u_ptr, out, N: tl.constexpr):
-        i = tl.arange(0, N)
-        tl.store(out + i, K._race_bound(tl.load(lp_ptr + i), tl.load(u_ptr + i)))
-
-    n = 4096
-    gen = torch.Generator().manual_seed(0)
-    k = torch.cat([torch.arange(64), (1 << 23) - 1 - torch.arange(64),
-                   torch.randint(0, 1 << 23, (n - 128,), generator=gen)])
-    u = rng.to_unit(k << 9)
-    lp = torch.cat([torch.zeros(8), -torch.rand(n - 16, generator=gen) * 30.0,
-                    -torch.rand(8, generator=gen) * 1e4])
-    lp = lp[torch.randperm(n, generator=gen)]
-    bound = torch.empty(n)
-    kern[(1,)](lp.to(DEVICE), u.to(DEVICE), bound_dev := bound.to(DEVICE), N=n)
-    key = lp - torch.log(-torch.log(u))
-    assert (bound_dev.cpu() >= key).all()
-    near_one = u > 0.99                                  # high keys: the bound is tight
-    assert ((bound_dev.cpu() - key)[near_one] < 0.01 + 1e-5 * lp.abs()[near_one]).all()
-
-
 @pytest.mark.parametrize("full_q", [True, False])
-def test_race_tile_skipping_many_tiles(full_q):
-    """Pass 2 with 40 tiles per program (most skipped) agrees with the reference."""
+def test_race_several_blocks_per_program(full_q):
+    """Pass 2 with five race blocks per program (the last one partial) agrees with the
+    reference."""
     gen = torch.Generator().manual_seed(21)
-    plan = tb.Plan(rows=1, chunk=2048, block=512, rchunk=5120, rblock=128, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=2048, block=512, rchunk=5120, warps=4, rwarps=4)
     for temp in (1.0, 0.5):
         x, drafts, q = make_case(gen, 10, 3, 5000, temp, full_q, torch.bfloat16, 3.0, 0.05,
                                  False)
@@ -334,8 +311,16 @@ def test_race_tile_skipping_many_tiles(full_q):
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 
-# ------------------------------------------------------------------ race start values
-RACE_PLAN = tb.Plan(rows=1, chunk=1024, block=256, rchunk=512, rblock=128, warps=4, rwarps=4)
+def test_rchunk_must_hold_whole_race_blocks():
+    x, drafts, q = make_case(torch.Generator().manual_seed(0), 1, 1, 3000, 1.0, True,
+                             torch.float32, 1.0, 0.0, False)
+    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1536, warps=4, rwarps=4)
+    with pytest.raises(ValueError, match="multiple"):
+        tb.launch(x, drafts, q, SamplingParams(1.0), 0, geometry=plan)
+
+
+# ------------------------------------------------------------------ the two-level race
+RACE_PLAN = tb.Plan(rows=1, chunk=1024, block=256, rchunk=1024, warps=4, rwarps=4)
 
 
 def _rejected_at_zero(vocab: int, batch: int = 2, gamma: int = 1, x_tok: int = 1):
@@ -365,9 +350,9 @@ def _same_both_merges(x, drafts, q, params, seed):
 
 
 @pytest.mark.parametrize("full_q", [False, True])
-def test_race_start_is_the_winner(full_q):
-    """A dominant token that is its chunk's argmax of p: the start value is (just below) the
-    winning key itself, so every other tile is skipped and the winner must still replace it."""
+def test_race_dominant_token(full_q):
+    """A token holding nearly all the residual mass: its block wins the block race and the
+    token the race inside it."""
     vocab = 3000
     gen = torch.Generator().manual_seed(31)
     x, drafts = _rejected_at_zero(vocab, batch=3)
@@ -385,26 +370,26 @@ def test_race_start_is_the_winner(full_q):
             assert (ref[0][:, 0] == 2222).all()
 
 
-def _u_collision(vocab: int, min_gap: int) -> tuple[int, int, int]:
-    """(seed, v1, v2): v1 < v2 - min_gap with equal race uniforms at row 0, position 0."""
+def _u_collision(vocab: int) -> tuple[int, int, int]:
+    """(seed, v1, v2): v1 < v2 in the same race block with equal uniforms at row 0, position 0."""
     idx = torch.arange(vocab)
-    for seed in range(200):
+    for seed in range(400):
         u = rng.uniform(seed, torch.tensor(0), idx)
         order = torch.argsort(u, stable=True)
         su = u[order]
         for k in torch.nonzero(su[1:] == su[:-1]).flatten().tolist():
             v1, v2 = sorted((int(order[k]), int(order[k + 1])))
-            if v2 - v1 > min_gap:
+            if v1 // reference.RACE_BLOCK == v2 // reference.RACE_BLOCK:
                 return seed, v1, v2
     raise AssertionError("no collision found")
 
 
 @pytest.mark.parametrize("temp", [1.0, 0.5])
 def test_race_exact_tie_takes_first_index(temp):
-    """Two tokens with equal p and equal uniforms (an exact key tie), in different chunks,
-    both chunk argmaxes (so the start value ties them too): the first index wins."""
+    """Two tokens with equal p and equal uniforms in one block (an exact key tie in the race
+    inside the block): the first index wins, in the reference and in both kernel merges."""
     vocab = 6000
-    seed, v1, v2 = _u_collision(vocab, 1100)
+    seed, v1, v2 = _u_collision(vocab)
     x, drafts = _rejected_at_zero(vocab, batch=2)
     x[:, :, [v1, v2]] = 0.0
     x[:, 1, 5] = 1.0
@@ -412,9 +397,9 @@ def test_race_exact_tie_takes_first_index(temp):
     assert int(ref[0][0, 0]) == v1
 
 
-def test_race_empty_residual_many_chunks():
-    """q >= p wherever p > 0 (up to rounding), several chunks, one holding only -inf: the
-    residual is empty and the start values must not hide the fallback to p."""
+def test_race_empty_residual_many_blocks():
+    """q >= p wherever p > 0 (up to rounding), several blocks, one holding only -inf: the
+    residual is empty and the race falls back to p."""
     vocab = 3000
     x = torch.full((1, 2, vocab), float("-inf"))
     x[0, :, 10] = 0.0
@@ -429,34 +414,39 @@ def test_race_empty_residual_many_chunks():
     assert (0, 10) in seen                               # rejected, residual empty -> token 10
 
 
-def _race_partials(batch: int, gamma: int, vocab: int, plan: tb.Plan) -> torch.Tensor:
-    """The race's per-chunk partials [4, B, NCR] (key, index, fallback key, index) of the
-    cached workspace of a launch with ``plan`` (see triton_kernels._layout)."""
+def _race_masses(batch: int, gamma: int, vocab: int, plan: tb.Plan) -> torch.Tensor:
+    """The race's block masses [2, B, NB] (residual W, then P) of the cached workspace of a
+    launch with ``plan`` (see triton_kernels._layout)."""
     slot = next(s for k, s in tb._SLOTS.items() if k[1:4] == (batch, gamma, vocab)
                 and s.plan == plan)
-    nc, ncr = slot.nc, slot.ncr
+    nb = -(-vocab // reference.RACE_BLOCK)
     r, rq = batch * (gamma + 1), batch * gamma
-    race = 3 * r * nc + 2 * rq * nc + int(K.N_ROWSTAT.value) * batch + r + rq
-    return slot.ws[race:race + 4 * batch * ncr].view(4, batch, ncr).cpu()
+    race = 3 * r * slot.nc + 2 * rq * slot.nc + int(K.N_ROWSTAT.value) * batch + r + rq
+    return slot.ws[race:race + 2 * batch * nb].view(2, batch, nb).cpu()
 
 
-def test_race_start_skips_most_chunks():
-    """Peaked (LLM-like) rows: most race chunks never beat their start value (they report it
-    with BIG_IDX), the chunk that holds the winner does, and tokens match the reference."""
-    batch, gamma, vocab = 6, 2, 20000
+def test_race_block_masses_match_reference():
+    """The first level of the race: the kernel's block masses at j* are the reference's
+    residual (or, for bonus rows, p) summed over each block, to float rounding."""
+    batch, gamma, vocab = 6, 2, 5000
     gen = torch.Generator().manual_seed(5)
-    x, drafts, q = make_case(gen, batch, gamma, vocab, 1.0, True, torch.float32, 8.0, 0.0,
+    x, drafts, q = make_case(gen, batch, gamma, vocab, 1.0, True, torch.float32, 3.0, 0.0,
                              False)
     params = SamplingParams(temperature=1.0)
     ref = reference.verify(x, drafts, q, params, 3)
     got = tb.launch(x, drafts, q, params, 3, geometry=RACE_PLAN, fused=False)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-    k, i, fk, fi = _race_partials(batch, gamma, vocab, RACE_PLAN)
-    big = float(K.BIG_IDX.value)
+    W, P = _race_masses(batch, gamma, vocab, RACE_PLAN)
+    temps = torch.ones(batch)
+    logp = reference.warp_rows(x, params, temps)
+    logq = reference.draft_logprobs(drafts, q, params, temps, vocab)
+    nb = W.shape[1]
+    pad = (0, nb * reference.RACE_BLOCK - vocab)
     for b in range(batch):
-        win = int(ref[0][b, int(ref[1][b])])
-        c = int(k[b].argmax())
-        assert int(i[b, c]) == win or not torch.isfinite(k[b, c])
-        start = k[b][i[b] == big]
-        assert (start < k[b, c]).all() and (start == start.max()).all()   # one start value
-        assert (i[b] == big).float().mean() > 0.8
+        j = int(ref[1][b])
+        p = logp[b, j].exp()
+        w = p if j == gamma else reference.race_weights(logp[b, j], logq[b, j])
+        for got_m, want in ((W[b], w), (P[b], p)):
+            want_m = torch.nn.functional.pad(want, pad).view(nb, -1).sum(-1)
+            torch.testing.assert_close(got_m, want_m, rtol=1e-5, atol=1e-12)
+    assert (ref[1] < gamma).any() and (ref[1] == gamma).any()

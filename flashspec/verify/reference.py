@@ -2,10 +2,14 @@
 
 For each row, draft token x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)),
 tested in log space against the counter-based uniform u_j. At the first rejection a token
-is drawn from the residual max(0, p - q) by an exponential race (argmax of
-log r_v - log E_v with E_v = -log u_v; no normalisation); if every draft passes, the bonus
-token is drawn from p_γ the same way. Greedy rows (temperature 0) accept while the draft
-equals the target argmax and emit the argmax. p(x) = 0 never accepts; q(x) = 0 rejects.
+is drawn from the residual w = max(0, p - q) by a two-level exponential race (no
+normalisation): a block of RACE_BLOCK tokens by argmax_k log W_k - log E_k over the block
+masses W_k, then a token of that block by argmax_v log w_v - log E_v (E = -log u, the
+uniforms of the block level at indices V + 1 + k, of the token level at v). If every draft
+passes, the bonus token is drawn from p_γ the same way. The two levels draw a block with
+probability W_k / ΣW and a token of it with probability w_v / W_k: a token ∝ w_v, and only
+the masses and one block need random numbers. Greedy rows (temperature 0) accept while the
+draft equals the target argmax and emit the argmax. p(x) = 0 never accepts; q(x) = 0 rejects.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from flashspec.verify import rng
 from flashspec.verify.sampling import SamplingParams, check_finite, warp_logprobs
 
 NEG_INF = float("-inf")
+RACE_BLOCK = 1024        # tokens per block of the race (triton_kernels.RBLK)
 
 
 def row_temperatures(params: SamplingParams, temperature: torch.Tensor | None, batch: int,
@@ -44,19 +49,39 @@ def draft_logprobs(draft_tokens: torch.Tensor, draft_logits: torch.Tensor | None
     return warp_rows(draft_logits, params, temps)
 
 
-def residual_logweights(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """log max(0, p - q) elementwise; -inf where p <= q."""
-    gap = logq - logp
-    out = logp + torch.log1p(-torch.exp(torch.clamp(gap, max=0.0)))
-    return torch.where(gap < 0, out, torch.full_like(out, NEG_INF))
+def race_weights(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """The residual w = max(0, p - q) with p = exp(log p), q = exp(log q) in float32."""
+    return torch.clamp(torch.exp(logp) - torch.exp(logq), min=0.0)
 
 
-def exponential_race(logw: torch.Tensor, seed, streams: torch.Tensor) -> torch.Tensor:
-    """argmax_v log w_v - log E_v, E_v = -log u(seed, stream, v): a sample ∝ w (unnormalised)."""
-    vocab = logw.shape[-1]
-    idx = torch.arange(vocab, device=logw.device)
-    u = rng.uniform(seed, streams.unsqueeze(-1), idx)
-    return (logw - torch.log(-torch.log(u))).argmax(dim=-1)
+def blocks_of(w: torch.Tensor) -> torch.Tensor:
+    """w [..., V] as [..., NB, RACE_BLOCK] race blocks, the last one padded with zeros."""
+    vocab = w.shape[-1]
+    nb = -(-vocab // RACE_BLOCK)
+    return torch.nn.functional.pad(w, (0, nb * RACE_BLOCK - vocab)).unflatten(-1, (nb, RACE_BLOCK))
+
+
+def block_race(w: torch.Tensor, p: torch.Tensor, seed, streams: torch.Tensor) -> torch.Tensor:
+    """A token ∝ w (rows of [..., V]; ∝ p where a row of w is all 0) by the two-level race."""
+    masses = blocks_of(w).sum(-1)
+    empty = (masses == 0).all(dim=-1, keepdim=True)                       # rounding fallback
+    return race_in_blocks(torch.where(empty, blocks_of(p).sum(-1), masses),
+                          torch.where(empty, p, w), seed, streams)
+
+
+def race_in_blocks(masses: torch.Tensor, w: torch.Tensor, seed, streams: torch.Tensor
+                   ) -> torch.Tensor:
+    """The block argmax_k log masses_k - log E_k (uniforms at V + 1 + k), then the token
+    argmax_v log w_v - log E_v among that block's tokens (uniforms at v)."""
+    vocab = w.shape[-1]
+    st = streams.unsqueeze(-1)
+    blocks = torch.arange(masses.shape[-1], device=w.device)
+    ub = rng.uniform(seed, st, vocab + 1 + blocks)
+    block = (torch.log(masses) - torch.log(-torch.log(ub))).argmax(dim=-1, keepdim=True)
+    idx = torch.arange(vocab, device=w.device)
+    keys = torch.log(w) - torch.log(-torch.log(rng.uniform(seed, st, idx)))
+    keys = torch.where(idx // RACE_BLOCK == block, keys, torch.full_like(keys, NEG_INF))
+    return keys.argmax(dim=-1)
 
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -88,11 +113,10 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     accept = torch.where(greedy, greedy_ok, stochastic_ok)
     n_acc = accept.int().cumprod(dim=1).sum(dim=1)                        # [B]
 
-    logw = logp.clone()
-    logw[:, :gamma] = residual_logweights(logp[:, :gamma], logq)
-    empty = torch.isneginf(logw).all(dim=-1, keepdim=True)                # rounding fallback
-    logw = torch.where(empty, logp, logw)
-    sampled = exponential_race(logw, seed, streams)                       # [B, γ+1]
+    p = torch.exp(logp)
+    w = p.clone()
+    w[:, :gamma] = race_weights(logp[:, :gamma], logq)
+    sampled = block_race(w, p, seed, streams)                             # [B, γ+1]
     fix = torch.where(greedy, logp.argmax(-1), sampled)
     return assemble(draft_tokens, n_acc, fix), n_acc
 

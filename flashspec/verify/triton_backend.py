@@ -66,8 +66,7 @@ class Plan:
     rows: int           # batch rows per program (1 on the GPU)
     chunk: int          # vocabulary elements per pass-1 program
     block: int          # tile inside a chunk (lanes keep running stats over the tiles)
-    rchunk: int         # vocabulary elements per pass-2 program
-    rblock: int
+    rchunk: int         # vocabulary elements per pass-2 program (a multiple of RACE_BLOCK)
     warps: int
     rwarps: int
     fused: bool | None = None   # merge choice of this plan (FUSED or the call override it)
@@ -104,27 +103,21 @@ def _bucket(n: int) -> int:
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
     """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM (each program
-    streams its p and q tiles with one 16-byte load per lane per tile); pass-2 chunks as large
-    as still give 2 programs per SM, in 512-element tiles (each program repeats the race
-    prologue, NC candidate keys, while its start value skips tiles regardless of the chunk
-    size); fused merges only at small batch. Interpreter: few, big programs."""
+    streams its p and q tiles with one 16-byte load per lane per tile), pass-2 chunks (whole
+    race blocks) likewise; fused merges only at small batch. Interpreter: few, big programs."""
+    rb = reference.RACE_BLOCK
     if interpret:
         block = min(_next_pow2(vocab), 32768)
         rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
-        return Plan(rows, block, block, block, block, 4, 4)
-    positions = batch * (gamma + 1)
-    chunk = 1024
-    for c in (8192, 4096, 2048):
-        if positions * math.ceil(vocab / c) >= 8 * n_sm:
-            chunk = c
-            break
-    rchunk = 512
-    for c in (8192, 4096, 2048, 1024):
-        if batch * math.ceil(vocab / c) >= 2 * n_sm:
-            rchunk = c
-            break
-    return Plan(1, chunk, 1024, rchunk, min(rchunk, 512), 4, 4,
-                fused=batch <= FUSE_MAX_BATCH)
+        return Plan(rows, block, block, max(block, rb), 4, 4)
+    chunk = _chunk(batch * (gamma + 1), vocab, (8192, 4096, 2048), 1024, 8 * n_sm)
+    rchunk = _chunk(batch, vocab, (8192, 4096, 2048), rb, 8 * n_sm)
+    return Plan(1, chunk, 1024, rchunk, 4, 4, fused=batch <= FUSE_MAX_BATCH)
+
+
+def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, programs: int) -> int:
+    """The largest chunk size that still gives ``programs`` programs over ``rows`` rows."""
+    return next((c for c in sizes if rows * math.ceil(vocab / c) >= programs), smallest)
 
 
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
@@ -213,10 +206,10 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def _workspace_size(batch: int, gamma: int, nc: int, ncr: int, nct: int, kp2: int) -> int:
+def _workspace_size(batch: int, gamma: int, nc: int, nb: int, nct: int, kp2: int) -> int:
     """Float32 elements of the workspace (see triton_kernels._layout)."""
     rows_pq = batch * (gamma + 1) + batch * gamma
-    return rows_pq * (3 * nc + 1) + batch * (int(K.N_ROWSTAT.value) + 4 * ncr) + rows_pq * nct * kp2
+    return rows_pq * (3 * nc + 1) + batch * (int(K.N_ROWSTAT.value) + 2 * nb) + rows_pq * nct * kp2
 
 
 def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, top_k: int,
@@ -224,29 +217,32 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     """Build the per-shape state. Workspaces are never evicted: a captured CUDA graph keeps
     pointing at them. A shape first seen during graph capture gets uncached buffers (zeroed
     inside the graph), since eager calls could not rely on counters that were never zeroed."""
+    if p.rchunk % reference.RACE_BLOCK:
+        raise ValueError(f"rchunk {p.rchunk} is not a multiple of {reference.RACE_BLOCK}")
     nc, ncr = -(-vocab // p.chunk), -(-vocab // p.rchunk)
+    nb = -(-vocab // reference.RACE_BLOCK)
     kp2 = _next_pow2(top_k) if top_k else 1
     nct = -(-vocab // max(p.block, kp2)) if top_k else 0
     n_groups = -(-batch // p.rows)
-    ws = torch.empty(_workspace_size(batch, gamma, nc, ncr, nct, kp2), dtype=torch.float32,
+    ws = torch.empty(_workspace_size(batch, gamma, nc, nb, nct, kp2), dtype=torch.float32,
                      device=device)
     cnt = torch.zeros(2 * n_groups, dtype=torch.int32, device=device)
     slot = _Slot(p, fused, nc, ncr, ws, cnt)
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
     fuse_finish = fused or FUSE_FINISH
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
-        common, BLOCK=p.block, RCHUNK=p.rchunk, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
+        common, BLOCK=p.block, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
-            common, RCHUNK=p.rchunk, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1), **flags,
+            common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1), **flags,
             INTERPRET=INTERPRET), 4))
     slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
-        common, RCHUNK=p.rchunk, RBLOCK=p.rblock, NC_P2=_bucket(nc), NCR_P2=_bucket(ncr),
-        **flags, FUSED=fuse_finish, INTERPRET=INTERPRET), p.rwarps))
+        common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), **flags, FUSED=fuse_finish,
+        INTERPRET=INTERPRET), p.rwarps))
     if not fuse_finish:
         slot.launches.append(("finish", K.finish_kernel, (n_groups, 1, 1), dict(
-            common, RCHUNK=p.rchunk, NCR_P2=_bucket(ncr)), 4))
+            common, NB_P2=_bucket(nb), **flags, INTERPRET=INTERPRET), 4))
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _SLOTS[key] = slot
     return slot
@@ -318,7 +314,7 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
         slot = _slot(key, p, fused, batch, gamma, vocab, top_k, flags, device)
     if top_k:
         _launch_topk(slot.plan, tgt, drf, has_q, temp_ptr, temp, slot.ws, batch, gamma, vocab,
-                     slot.nc, slot.ncr, top_k, temperature is not None)
+                     slot.nc, top_k, temperature is not None)
     args = (tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed_i, seed_mode, slot.ws)
     tail = (buf, batch, vocab)
     stream = _stream(device) if direct else None
@@ -330,15 +326,13 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
 def launch_args(slot: _Slot, name: str, args: tuple, tail: tuple) -> tuple:
     """Positional arguments of the launch ``name`` of ``slot``: the common inputs ``args``
     (logits .. workspace), the merge counters where the kernel takes them, then ``tail``
-    (output buffer, B, V); finish_kernel takes only the workspace and the tail."""
-    if name == "finish":
-        return (slot.ws,) + tail
-    return args + tail if name == "decide" else args + (slot.cnt,) + tail
+    (output buffer, B, V)."""
+    return args + tail if name in ("decide", "finish") else args + (slot.cnt,) + tail
 
 
 def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, temp_ptr, temp,
-                 ws: torch.Tensor, batch: int, gamma: int, vocab: int, nc: int, ncr: int,
-                 k: int, row_temp: bool) -> None:
+                 ws: torch.Tensor, batch: int, gamma: int, vocab: int, nc: int, k: int,
+                 row_temp: bool) -> None:
     """Top-k thresholds (k-th largest of x/T) of every target and draft row-position."""
     kp2 = _next_pow2(k)
     block = max(p.block, kp2)
@@ -350,8 +344,8 @@ def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, tem
             continue
         groups = -(-batch * npos // rows)
         K.topk_cand_kernel[(nct, groups)](
-            src, src.stride(0), src.stride(1), temp_ptr, temp, ws, batch, vocab, nc, ncr, nct,
+            src, src.stride(0), src.stride(1), temp_ptr, temp, ws, batch, vocab, nc, nct,
             G=gamma, IS_Q=is_q, KP2=kp2, BLOCK=block, ROWS=rows, ROW_TEMP=row_temp,
             num_warps=8)
-        K.topk_thr_kernel[(groups,)](ws, batch, nc, ncr, nct, k, G=gamma, IS_Q=is_q, KP2=kp2,
+        K.topk_thr_kernel[(groups,)](ws, batch, vocab, nc, nct, k, G=gamma, IS_Q=is_q, KP2=kp2,
                                      NT_P2=nt_p2, ROWS=rows, num_warps=8)

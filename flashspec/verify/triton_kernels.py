@@ -10,19 +10,18 @@ Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, posit
    with no serial chain over the drafts: the partials of all G+1 target and G draft positions
    are merged as [ROWS, G_P2, NC_P2] tiles, the draft tokens' logits gathered at once, the
    accept tests run in log space on registers, and j* is the first failing position.
-2. ``race_kernel``: only position j* of each stochastic row is read again; every chunk runs
-   its part of the exponential race over the residual max(0, p - q) (or p for the bonus).
-   A prologue computes the precise keys at pass 1's per-chunk argmaxes of p (real tokens, so
-   a lower bound of the winning key) and every program starts its running best just below
-   that bound, with index BIG_IDX: nearly every tile's cheap key bound then stays below it
-   and its precise keys are skipped. The last program of a row group (``FUSED``; otherwise
-   ``finish_kernel``) takes the max key and the smallest index attaining it, which is the
-   reference's first argmax since start values are strictly below the winner.
+2. ``race_kernel``: only position j* of each stochastic row is read again, for the
+   two-level exponential race of ``reference.block_race`` over the weights w = max(0, p - q)
+   (p for the bonus): every program streams its chunk and stores the mass of each RBLK-token
+   block (a reduction, like pass 1: no random numbers, no serial chain). The last program of
+   a row group (``FUSED``; otherwise ``finish_kernel``) draws the block by a race over the
+   NB block masses, then the token by a race over that block's RBLK weights.
 
 Layout contract: target rows [B, G+1, V] and draft rows [B, G, V] have unit strides inside a
 batch row (t_sb, d_sb are the batch strides), tokens are a contiguous [B, G] tensor, and
-``out`` is one int64 buffer holding the tokens [B, G+1] then n_accepted [B]. Chunk counts are
-derived in the kernels (cdiv(V, CHUNK), cdiv(V, RCHUNK)).
+``out`` is one int64 buffer holding the tokens [B, G+1] then n_accepted [B]. Chunk and block
+counts are derived in the kernels (cdiv(V, CHUNK), cdiv(V, RBLK)); RCHUNK is a multiple of
+RBLK.
 
 Random numbers are ``flashspec.verify.rng.uniform`` ported to uint32 arithmetic. On the GPU
 the transcendental functions of the race are libdevice's (the ones torch's CUDA kernels
@@ -38,6 +37,7 @@ NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 BIG_IDX = tl.constexpr(2**30)
+RBLK = tl.constexpr(1024)            # tokens per block of the two-level race (reference.RACE_BLOCK)
 N_ROWSTAT = tl.constexpr(5)          # jstar, Mz_p, logS_p, Mz_q, logS_q per row
 
 
@@ -142,8 +142,9 @@ def _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _layout(B, G, NC, NCR):
-    """Float32 workspace offsets: p/q partials, row stats, thresholds, race partials, top-k."""
+def _layout(B, G, NC, V):
+    """Float32 workspace offsets: p/q partials, row stats, thresholds, race block masses
+    (W then P, B x cdiv(V, RBLK) each), top-k candidates."""
     R = B * (G + 1)
     RQ = B * G
     p_m = 0
@@ -155,7 +156,7 @@ def _layout(B, G, NC, NCR):
     thr_p = rowstat + N_ROWSTAT * B
     thr_q = thr_p + R
     race = thr_q + RQ
-    cand = race + 4 * B * NCR
+    cand = race + 2 * B * tl.cdiv(V, RBLK)
     return p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand
 
 
@@ -279,7 +280,7 @@ def _pick(v, sel):
 
 @triton.jit
 def _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out, B, V,
-            G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
+            G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
             NC_P2: tl.constexpr, G_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
             ROW_TEMP: tl.constexpr, INTERPRET: tl.constexpr):
     """Accept tests of one row group; writes accepted drafts, greedy fixes, n_accepted, j*.
@@ -290,8 +291,7 @@ def _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_m
     G_P2 is the power of two >= G + 1.
     """
     NC = tl.cdiv(V, CHUNK)
-    NCR = tl.cdiv(V, RCHUNK)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
@@ -365,7 +365,7 @@ def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
 def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                  out, B, V,
                  G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 RCHUNK: tl.constexpr, NC_P2: tl.constexpr, G_P2: tl.constexpr,
+                 NC_P2: tl.constexpr, G_P2: tl.constexpr,
                  HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                  FUSED: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass 1 over chunk c of position j (p, and q when j < G) for a group of ROWS rows.
@@ -377,8 +377,7 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
     g = tl.program_id(1)
     j = tl.program_id(2)
     NC = tl.cdiv(V, CHUNK)
-    NCR = tl.cdiv(V, RCHUNK)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     rows64 = rows.to(tl.int64)
@@ -401,7 +400,7 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
         if done == NC * (G + 1) - 1:
             _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
                     out, B, V,
-                    G, ROWS, CHUNK, RCHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
+                    G, ROWS, CHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
             tl.atomic_xchg(cnt + g, 0, sem="relaxed", scope="gpu")
 
 
@@ -409,12 +408,12 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
 def decide_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out,
                   B, V,
                   G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                  RCHUNK: tl.constexpr, NC_P2: tl.constexpr, G_P2: tl.constexpr,
+                  NC_P2: tl.constexpr, G_P2: tl.constexpr,
                   HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """Unfused decide step: one program per row group."""
     _decide(tl.program_id(0), tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode,
-            ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
+            ws, out, B, V, G, ROWS, CHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- pass 2
@@ -444,235 +443,135 @@ def _logp_of(x, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
 
 
 @triton.jit
-def _race_bound(logp, u):
-    """Upper bound of both race keys (log w - log E <= log p - log E) with cheap math.
-
-    E = -log u >= t = 1 - u (exact in float32 for these u), so log E >= log t; log t comes
-    from the fast log2 and the margin (1e-3 + 1e-5 |log p|) covers its error, libdevice's
-    rounding of log E and the final subtractions many times over. log p = -inf gives -inf.
-    """
-    t = 1.0 - u
-    margin = 1e-3 + 1e-5 * tl.minimum(tl.abs(logp), 1e30)        # finite: -inf stays -inf
-    return (logp - 0.6931471805599453 * tl.log2(t)) + margin
-
-
-@triton.jit
-def _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
-               HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    """Race keys at tokens offs: (log max(0, p - q) or log p) - log E, and log p - log E."""
+def _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp, thq,
+             HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """Race weights at tokens offs: (w, p) with p = exp(log p) and w = max(0, p - q) at a
+    rejected position (is_res), p at the bonus position (reference.race_weights)."""
+    p = _exp(_race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK, UNIT), INTERPRET)
     if HAS_Q:
-        y = tl.load(drf_rows[:, None] + offs, mask=msk & is_res[:, None],
-                    other=NEG_INF).to(tl.float32)
-        zq = _scaled(y, scale, UNIT)
-        if TOPK:
-            zq = tl.where(zq < thq[:, None], NEG_INF, zq)
-        logq = (zq - Mq[:, None]) - lSq[:, None]
+        y = tl.load(drf_rows[:, None] + offs, mask=msk & is_res[:, None], other=NEG_INF)
+        q = _exp(_logp_of(y, scale, Mq, lSq, thq, TOPK, UNIT), INTERPRET)
     else:
-        logq = tl.where(offs == xtok[:, None], 0.0, NEG_INF)
-    gap = logq - logp
-    res = logp + _log1p(-_exp(tl.minimum(gap, 0.0), INTERPRET), INTERPRET)
-    res = tl.where(gap < 0.0, res, NEG_INF)
-    logw = tl.where(is_res[:, None], res, logp)
-    lg = _log(-_log(u, INTERPRET), INTERPRET)
-    return logw - lg, logp - lg
+        q = tl.where(offs == xtok[:, None], 1.0, 0.0)
+    return tl.where(is_res[:, None], tl.maximum(p - q, 0.0), p), p
 
 
 @triton.jit
-def _below(L):
-    """A start value strictly below the key L: L - 1e-4 (1 + |L|) (-inf stays -inf).
-
-    The slack dwarfs any rounding difference between the prologue's and the scan's evaluation
-    of the same key (both use the same functions on the same inputs)."""
-    return tl.where(L > NEG_INF, L - 1e-4 * (1.0 + tl.abs(L)), NEG_INF)
-
-
-@triton.jit
-def _race_floor(ws, p_i, r, need, tgt_rows, drf_rows, xtok, is_res, scale, Mp, lSp, Mq, lSq,
-                thp, thq, key, NC, V, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-                TOPK: tl.constexpr, UNIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Start values of the scan: just below the row's best residual and p keys among the
-    chunk argmaxes of p that pass 1 stored (precise keys, the scan's formulas).
-
-    Every candidate is a real token, so each start value is below the row's winning key: the
-    winner's tile is never skipped and the winner always replaces the start value.
-    """
-    cols = tl.arange(0, NC_P2)[None, :]
-    cm = need[:, None] & (cols < NC)
-    ci = tl.load(ws + p_i + r[:, None] * NC + cols, mask=cm, other=BIG_IDX).to(tl.int32)
-    cm = cm & (ci < V)                           # a chunk of only -inf stored BIG_IDX
-    ci = tl.where(cm, ci, 0)
-    logp = _race_logp(tgt_rows, ci, cm, scale, Mp, lSp, thp, TOPK, UNIT)
-    u = _uniform(key[:, None], ci, INTERPRET)
-    k1, k2 = _race_keys(logp, drf_rows, xtok, ci, cm, is_res, scale, Mq, lSq, thq, u,
-                        HAS_Q, TOPK, UNIT, INTERPRET)
-    L1 = tl.max(tl.where(cm, k1, NEG_INF), 1)
-    L2 = tl.max(tl.where(cm, k2, NEG_INF), 1)
-    return _below(L1), _below(L2)
-
-
-@triton.jit
-def _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq, thp, thq, key,
-                best, fb, c, V, ROWS: tl.constexpr, RCHUNK: tl.constexpr, RBLOCK: tl.constexpr,
-                HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """Best race key and its first index over one chunk (residual keys, and p's fallback),
-    starting from (best, BIG_IDX) and (fb, BIG_IDX).
-
-    A tile whose key bound (``_race_bound``) stays below the best residual key so far cannot
-    change either running argmax (keys equal to the best do not replace it; p's keys are
-    >= the residual ones), so its precise keys (libdevice log, exp, log1p; the draft tile)
-    are skipped. A chunk none of whose keys beats its start value reports it with BIG_IDX.
-    """
-    bidx = tl.full([ROWS], BIG_IDX, tl.int32)
-    fidx = bidx
-    lanes = tl.arange(0, RBLOCK)[None, :]
-    offs = c * RCHUNK + lanes
-    x_next = tl.load(tgt_rows[:, None] + offs, mask=need[:, None] & (offs < V), other=NEG_INF)
-    for t in range(0, RCHUNK, RBLOCK):
-        # the next tile's logits are requested before this tile's math (hides the load latency
-        # of the serial tile loop; most tiles are skipped, so little else would overlap it)
-        x = x_next
-        offs = c * RCHUNK + t + lanes
-        msk = need[:, None] & (offs < V)
-        nxt = offs + RBLOCK
-        x_next = tl.load(tgt_rows[:, None] + nxt,
-                         mask=need[:, None] & (nxt < V) & (t + RBLOCK < RCHUNK), other=NEG_INF)
-        logp = _logp_of(x, scale, Mp, lSp, thp, TOPK, UNIT)
-        u = _uniform(key[:, None], offs, INTERPRET)
-        bound = tl.max(_race_bound(logp, u), 1)
-        if tl.max((bound >= best).to(tl.int32), 0) > 0:
-            k1, k2 = _race_keys(logp, drf_rows, xtok, offs, msk, is_res, scale, Mq, lSq, thq, u,
-                                HAS_Q, TOPK, UNIT, INTERPRET)
-            best, bidx = _best(best, bidx, k1, c * RCHUNK + t)
-            fb, fidx = _best(fb, fidx, k2, c * RCHUNK + t)
-    return best, bidx, fb, fidx
-
-
-@triton.jit
-def _best(best, bidx, k, base):
-    """Running (max, first argmax) update with one tile's keys."""
-    tb, ti = tl.max(k, 1, return_indices=True)
-    upd = tb > best
-    return tl.where(upd, tb, best), tl.where(upd, ti + base, bidx)
-
-
-@triton.jit
-def _race_row(c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
-              ws, B, V, NC, NCR, G: tl.constexpr, ROWS: tl.constexpr, RCHUNK: tl.constexpr,
-              RBLOCK: tl.constexpr, NC_P2: tl.constexpr, HAS_Q: tl.constexpr,
-              TOPK: tl.constexpr, UNIT: tl.constexpr, INTERPRET: tl.constexpr):
-    """Chunk c of the race at position jf of the rows that need one (prologue: the start
-    values of ``_race_floor``): (best, index, fallback best, index)."""
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+def _race_rows(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, ws, B, V, G: tl.constexpr,
+               ROWS: tl.constexpr, CHUNK: tl.constexpr, TOPK: tl.constexpr,
+               ROW_TEMP: tl.constexpr):
+    """What pass 2 needs of row group g from the decide step: rows, which need a draw (need),
+    whether it is residual (is_res), row pointers at j*, temperatures, draft token, stats."""
+    NC = tl.cdiv(V, CHUNK)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
+    rows = g * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
     rows64 = rows.to(tl.int64)
     base = ws + rowstat + rows * N_ROWSTAT
+    jf = tl.load(base, mask=rmask, other=-1.0, cache_modifier=".cg")
+    need = rmask & (jf >= 0.0)
     j = tl.where(need, jf, 0.0).to(tl.int32)
     is_res = j < G
     jq = tl.where(is_res, j, 0)
-    Mp = tl.load(base + 1, mask=need, other=0.0)
-    lSp = tl.load(base + 2, mask=need, other=0.0)
-    Mq = tl.load(base + 3, mask=need, other=0.0)
-    lSq = tl.load(base + 4, mask=need, other=0.0)
+    scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
+    Mp = tl.load(base + 1, mask=need, other=0.0, cache_modifier=".cg")
+    lSp = tl.load(base + 2, mask=need, other=0.0, cache_modifier=".cg")
+    Mq = tl.load(base + 3, mask=need, other=0.0, cache_modifier=".cg")
+    lSq = tl.load(base + 4, mask=need, other=0.0, cache_modifier=".cg")
     r = rows * (G + 1) + j
     thp = _load_thr(ws, thr_p, r, need, TOPK)
     thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
     xtok = tl.load(tok + rows64 * G + jq, mask=need & is_res, other=-1).to(tl.int32)
-    key = _stream_key(_load_seed_rt(seed_ptr, seed, seed_mode), r, INTERPRET)
-    tgt_rows = tgt + rows64 * t_sb + j * V
-    drf_rows = drf + rows64 * d_sb + jq * V
-    best, fb = _race_floor(ws, p_i, r, need, tgt_rows, drf_rows, xtok, is_res,
-                           scale, Mp, lSp, Mq, lSq, thp, thq, key, NC, V, NC_P2, HAS_Q, TOPK,
-                           UNIT, INTERPRET)
-    return _race_chunk(tgt_rows, drf_rows, xtok, need, is_res, scale, Mp, lSp, Mq, lSq, thp,
-                       thq, key, best, fb, c, V, ROWS, RCHUNK, RBLOCK, HAS_Q, TOPK, UNIT,
-                       INTERPRET)
+    return (rows, need, j, r, is_res, tgt + rows64 * t_sb + j * V, drf + rows64 * d_sb + jq * V,
+            scale, Mp, lSp, Mq, lSq, thp, thq, xtok)
 
 
 @triton.jit(do_not_specialize=["seed", "seed_mode"])
 def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                 out, B, V,
                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
-                RBLOCK: tl.constexpr, NC_P2: tl.constexpr, NCR_P2: tl.constexpr,
-                HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
-                FUSED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Pass 2: chunk c of the exponential race at position j* of each stochastic row; with
-    FUSED the last program of a row group picks the winners."""
+                NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                ROW_TEMP: tl.constexpr, FUSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Pass 2, first level of the race: the masses of the RBLK-token blocks in chunk c at
+    position j* of each stochastic row (residual W and p's P, for the empty-residual
+    fallback). A streaming reduction: no random numbers, no serial chain over tiles. With
+    FUSED the last program of a row group draws the tokens (``_draw``)."""
     c = tl.program_id(0)
     g = tl.program_id(1)
-    NC = tl.cdiv(V, CHUNK)
-    NCR = tl.cdiv(V, RCHUNK)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
-    rows = g * ROWS + tl.arange(0, ROWS)
-    rmask = rows < B
-    jf = tl.load(ws + rowstat + rows * N_ROWSTAT, mask=rmask, other=-1.0)
-    need = rmask & (jf >= 0.0)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, tl.cdiv(V, CHUNK), V)
+    NB = tl.cdiv(V, RBLK)
+    (rows, need, j, r, is_res, tgt_rows, drf_rows, scale, Mp, lSp, Mq, lSq, thp, thq,
+     xtok) = _race_rows(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, ws, B, V, G, ROWS, CHUNK,
+                        TOPK, ROW_TEMP)
     if tl.max(need.to(tl.int32), 0) > 0:
-        scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
         unit = tl.max(tl.abs(tl.where(need, scale, 1.0) - 1.0), 0) == 0.0
-        if unit:                                     # uniform per program: T = 1 everywhere
-            best, bidx, fb, fidx = _race_row(
-                c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
-                ws, B, V, NC, NCR, G, ROWS, RCHUNK, RBLOCK, NC_P2, HAS_Q, TOPK, True, INTERPRET)
-        else:
-            best, bidx, fb, fidx = _race_row(
-                c, rows, need, jf, scale, tgt, t_sb, drf, d_sb, tok, seed_ptr, seed, seed_mode,
-                ws, B, V, NC, NCR, G, ROWS, RCHUNK, RBLOCK, NC_P2, HAS_Q, TOPK, False, INTERPRET)
-        off = rows * NCR + c
-        tl.store(ws + race + off, best, mask=need)
-        tl.store(ws + race + B * NCR + off, bidx.to(tl.float32), mask=need)
-        tl.store(ws + race + 2 * B * NCR + off, fb, mask=need)
-        tl.store(ws + race + 3 * B * NCR + off, fidx.to(tl.float32), mask=need)
+        for t in tl.static_range(0, RCHUNK // RBLK):
+            blk = c * (RCHUNK // RBLK) + t
+            offs = blk * RBLK + tl.arange(0, RBLK)[None, :]
+            msk = need[:, None] & (offs < V)
+            if unit:                                 # uniform per program: T = 1 everywhere
+                w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
+                                Mq, lSq, thp, thq, HAS_Q, TOPK, True, INTERPRET)
+            else:
+                w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
+                                Mq, lSq, thp, thq, HAS_Q, TOPK, False, INTERPRET)
+            bm = need & ((rows * 0 + blk) < NB)
+            tl.store(ws + race + rows * NB + blk, tl.sum(w, 1), mask=bm)
+            tl.store(ws + race + B * NB + rows * NB + blk, tl.sum(p, 1), mask=bm)
     if FUSED:
         tl.debug_barrier()
-        done = tl.atomic_add(cnt + tl.num_programs(1) + g, 1, sem="acq_rel", scope="gpu")
-        if done == NCR - 1:
-            _finish(g, ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NCR_P2)
-            tl.atomic_xchg(cnt + tl.num_programs(1) + g, 0, sem="relaxed", scope="gpu")
+        counter = cnt + tl.num_programs(1) + g
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
+                  out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _argbest(ws, base_k, base_i, rows, need, NC, NC_P2: tl.constexpr):
-    """Max over chunk partials and the smallest index attaining it."""
-    cols = tl.arange(0, NC_P2)
-    cm = need[:, None] & (cols < NC)[None, :]
-    off = rows[:, None] * NC + cols[None, :]
-    k = tl.load(ws + base_k + off, mask=cm, other=NEG_INF, cache_modifier=".cg")
-    i = tl.load(ws + base_i + off, mask=cm, other=BIG_IDX, cache_modifier=".cg")
-    K = tl.max(k, 1)
-    return K, tl.min(tl.where(k == K[:, None], i, BIG_IDX), 1)
-
-
-@triton.jit
-def _finish(g, ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-            RCHUNK: tl.constexpr, NCR_P2: tl.constexpr):
-    """Winner of the race of each stochastic row (fallback to p when the residual is empty).
-
-    A chunk that found no key above its start value reports (start, BIG_IDX); the start is
-    strictly below the row's best key, so the max picks a real index whenever a key is
-    finite. Only a row without any finite key (impossible for an unpoisoned row) would be
-    left with BIG_IDX: it gets token 0, like an argmax over -inf.
-    """
-    NC = tl.cdiv(V, CHUNK)
-    NCR = tl.cdiv(V, RCHUNK)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
-    rows = g * ROWS + tl.arange(0, ROWS)
-    rmask = rows < B
-    jf = tl.load(ws + rowstat + rows * N_ROWSTAT, mask=rmask, other=-1.0, cache_modifier=".cg")
-    need = rmask & (jf >= 0.0)
-    K, I = _argbest(ws, race, race + B * NCR, rows, need, NCR, NCR_P2)
-    FK, FI = _argbest(ws, race + 2 * B * NCR, race + 3 * B * NCR, rows, need, NCR, NCR_P2)
-    winner = tl.where(K > NEG_INF, I, FI)
-    winner = tl.where(winner < V, winner, 0.0).to(tl.int64)
-    j = tl.where(need, jf, 0.0).to(tl.int64)
+def _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out,
+          B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+          NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
+          INTERPRET: tl.constexpr):
+    """Second level of the race for row group g (reference.block_race): the block
+    argmax_k log M_k - log E_k (E_k = -log u at index V + 1 + k; M = W, or P when the
+    residual is empty), then the token argmax_v log w_v - log E_v inside that block."""
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, tl.cdiv(V, CHUNK), V)
+    NB = tl.cdiv(V, RBLK)
+    (rows, need, j, r, is_res, tgt_rows, drf_rows, scale, Mp, lSp, Mq, lSq, thp, thq,
+     xtok) = _race_rows(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, ws, B, V, G, ROWS, CHUNK,
+                        TOPK, ROW_TEMP)
+    key = _stream_key(_load_seed_rt(seed_ptr, seed, seed_mode), r, INTERPRET)
+    cols = tl.arange(0, NB_P2)[None, :]
+    cm = need[:, None] & (cols < NB)
+    W = tl.load(ws + race + rows[:, None] * NB + cols, mask=cm, other=0.0, cache_modifier=".cg")
+    P = tl.load(ws + race + B * NB + rows[:, None] * NB + cols, mask=cm, other=0.0,
+                cache_modifier=".cg")
+    empty = tl.max(W, 1) == 0.0                    # W >= 0: no residual mass at all
+    M = tl.where(empty[:, None], P, W)
+    uk = _uniform(key[:, None], V + 1 + cols, INTERPRET)
+    kk = tl.where(cm, _log(M, INTERPRET) - _log(-_log(uk, INTERPRET), INTERPRET), NEG_INF)
+    kstar = tl.argmax(kk, 1, tie_break_left=True)
+    offs = kstar[:, None] * RBLK + tl.arange(0, RBLK)[None, :]
+    msk = need[:, None] & (offs < V)
+    w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp,
+                    thq, HAS_Q, TOPK, False, INTERPRET)
+    w = tl.where(empty[:, None], p, w)
+    u = _uniform(key[:, None], offs, INTERPRET)
+    kv = tl.where(msk, _log(w, INTERPRET) - _log(-_log(u, INTERPRET), INTERPRET), NEG_INF)
+    winner = (kstar * RBLK + tl.argmax(kv, 1, tie_break_left=True)).to(tl.int64)
     tl.store(out + rows.to(tl.int64) * (G + 1) + j, winner, mask=need)
 
 
-@triton.jit
-def finish_kernel(ws, out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                  RCHUNK: tl.constexpr, NCR_P2: tl.constexpr):
-    """Unfused race winner: one program per row group."""
-    _finish(tl.program_id(0), ws, out, B, V, G, ROWS, CHUNK, RCHUNK, NCR_P2)
+@triton.jit(do_not_specialize=["seed", "seed_mode"])
+def finish_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
+                  out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                  NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                  ROW_TEMP: tl.constexpr, INTERPRET: tl.constexpr):
+    """Unfused second level of the race: one program per row group."""
+    _draw(tl.program_id(0), tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed,
+          seed_mode, ws, out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -698,7 +597,7 @@ def _kth_largest_key(keys, k):
 
 
 @triton.jit
-def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCR, NCT,
+def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCT,
                      G: tl.constexpr, IS_Q: tl.constexpr, KP2: tl.constexpr,
                      BLOCK: tl.constexpr, ROWS: tl.constexpr, ROW_TEMP: tl.constexpr):
     """The KP2 largest values of x/T in one vocabulary tile (ties cut at KP2), per row-position.
@@ -707,7 +606,7 @@ def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCR, NCT,
     """
     c = tl.program_id(0)
     g = tl.program_id(1)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     NPOS: tl.constexpr = G if IS_Q else G + 1
     first = B * (G + 1) if IS_Q else 0
     r = g * ROWS + tl.arange(0, ROWS)
@@ -732,12 +631,12 @@ def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCR, NCT,
 
 
 @triton.jit
-def topk_thr_kernel(ws, B, NC, NCR, NCT, K,
+def topk_thr_kernel(ws, B, V, NC, NCT, K,
                     G: tl.constexpr, IS_Q: tl.constexpr, KP2: tl.constexpr, NT_P2: tl.constexpr,
                     ROWS: tl.constexpr):
     """k-th largest of the per-tile candidates: the top-k threshold of each row-position."""
     g = tl.program_id(0)
-    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, NCR)
+    p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     NPOS: tl.constexpr = G if IS_Q else G + 1
     first = B * (G + 1) if IS_Q else 0
     r = g * ROWS + tl.arange(0, ROWS)

@@ -10,7 +10,8 @@ import functools
 import torch
 
 from flashspec.verify import rng
-from flashspec.verify.reference import draft_logprobs, exponential_race, residual_logweights
+from flashspec.verify.reference import (block_race, blocks_of, draft_logprobs, race_in_blocks,
+                                        race_weights)
 from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 NEG_INF = float("-inf")
@@ -20,6 +21,7 @@ BUGS = (
     "residual_unclamped",          # residual weights |p − q|: the negative part is not zeroed
     "bonus_from_q",                # bonus token drawn from the last draft q instead of p_γ
     "first_rejection_off_by_one",  # the first rejected draft is emitted, residual one slot later
+    "block_by_max",                # race block drawn ∝ its largest weight, not its mass
 )
 
 
@@ -48,10 +50,8 @@ def _logq(draft_tokens, draft_logits, params, vocab, bug) -> torch.Tensor:
 
 def _residual(logp: torch.Tensor, logq: torch.Tensor, bug: str | None) -> torch.Tensor:
     if bug != "residual_unclamped":
-        return residual_logweights(logp, logq)
-    hi, lo = torch.maximum(logp, logq), torch.minimum(logp, logq)
-    out = hi + torch.log1p(-torch.exp(lo - hi))
-    return torch.where(hi == lo, torch.full_like(out, NEG_INF), out)
+        return race_weights(logp, logq)
+    return (torch.exp(logp) - torch.exp(logq)).abs()
 
 
 def variant_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -72,12 +72,15 @@ def variant_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     u = rng.uniform(seed, streams[:, :gamma], torch.tensor(vocab))
     accept = (torch.log(u) < lp_x - lq_x) & (lq_x > NEG_INF) & (lp_x > NEG_INF)
     n_acc = accept.int().cumprod(dim=1).sum(dim=1)
-    logw = logp.clone()
-    logw[:, :gamma] = _residual(logp[:, :gamma], logq, bug)
+    p = torch.exp(logp)
+    w = p.clone()
+    w[:, :gamma] = _residual(logp[:, :gamma], logq, bug)
     if bug == "bonus_from_q":
-        logw[:, gamma] = logq[:, gamma - 1]
-    logw = torch.where(torch.isneginf(logw).all(-1, keepdim=True), logp, logw)
-    fix = exponential_race(logw, seed, streams)
+        w[:, gamma] = torch.exp(logq[:, gamma - 1])
+    if bug == "block_by_max":
+        fix = race_in_blocks(blocks_of(w).amax(-1), w, seed, streams)
+    else:
+        fix = block_race(w, p, seed, streams)
     if bug == "first_rejection_off_by_one":
         n_acc = torch.clamp(n_acc + 1, max=gamma)
     pos = torch.arange(gamma + 1).view(1, -1)
