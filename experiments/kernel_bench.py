@@ -74,40 +74,56 @@ def time_calls(fn: Callable, buffers: list, iters: int, warmup: int, cuda: bool)
     return [a.elapsed_time(b) * 1e3 for a, b in ev]
 
 
-def graph_time(verify: Callable, buffers: list, params: SamplingParams, replays: int
-               ) -> tuple[float, list[dict]]:
-    """µs per call from replays of one CUDA graph holding one call per buffer, and the rows
-    where the captured calls, replayed with a new device seed, differ from the reference
-    (each with the same call made eagerly with that seed, and the reference's margins)."""
+def graph_time(verify: Callable, buffers: list, params: SamplingParams, replays: int,
+               min_calls: int = 8) -> tuple[float, list[dict]]:
+    """µs per call from replays of one CUDA graph holding at least ``min_calls`` calls (the
+    buffers in turn), timed back to back; then the rows where captured calls, replayed with a
+    new device seed, differ from the reference (each with the same call made eagerly with that
+    seed, and the reference's margins). The checks run after the timing: the reference's
+    float32 temporaries would leave the L2 dirty for the next replay."""
     seed = torch.zeros((), dtype=torch.int64, device="cuda")
     verify(*buffers[0], params, seed)                       # warm (compile, workspaces)
     torch.cuda.synchronize()
+    n_calls = max(min_calls, len(buffers))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [verify(*b, params, seed) for b in buffers]
-    times, bad = [], []
-    for r in range(replays):
-        seed.fill_(1000 + r)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        outs = [verify(*buffers[i % len(buffers)], params, seed) for i in range(n_calls)]
+    graph.replay()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(replays)]
+    for a, b in ev:
         a.record()
         graph.replay()
         b.record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) * 1e3 / n_calls for a, b in ev]
+    bad = []
+    for r in range(2):
+        seed.fill_(1000 + r)
+        graph.replay()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(buffers))
-        for i in (0, len(buffers) - 1):
-            ref = reference.verify(*buffers[i], params, 1000 + r)
-            rows = mismatches(ref, outs[i], f"graph replay {r} buffer {i}")
-            if rows:
-                eager = verify(*buffers[i], params, 1000 + r)
-                for row in rows:
-                    b_ = row["row"]
-                    row["eager_same_seed"] = eager[0][b_].tolist()
-                    row["eager_matches_ref"] = bool(torch.equal(eager[0][b_], ref[0][b_])
-                                                    and eager[1][b_] == ref[1][b_])
-                    row["margins"] = margins(buffers[i], params, 1000 + r, b_)
-            bad += rows
+        for i in range(len(buffers)):
+            last = max(k for k in range(n_calls) if k % len(buffers) == i)
+            bad += _graph_mismatches(verify, buffers[i], outs[last], params, 1000 + r,
+                                     f"graph replay {r} buffer {i}")
     del graph
     return statistics.median(times), bad
+
+
+def _graph_mismatches(verify: Callable, args: tuple, out: tuple, params: SamplingParams,
+                      seed: int, where: str) -> list[dict]:
+    """Rows where a replayed call differs from the reference, with the eager call's answer."""
+    ref = reference.verify(*args, params, seed)
+    rows = mismatches(ref, out, where)
+    if rows:
+        eager = verify(*args, params, seed)
+        for row in rows:
+            b_ = row["row"]
+            row["eager_same_seed"] = eager[0][b_].tolist()
+            row["eager_matches_ref"] = bool(torch.equal(eager[0][b_], ref[0][b_])
+                                            and eager[1][b_] == ref[1][b_])
+            row["margins"] = margins(args, params, seed, b_)
+    return rows
 
 
 def margins(args: tuple, params: SamplingParams, seed: int, row: int) -> dict:

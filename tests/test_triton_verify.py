@@ -437,7 +437,7 @@ def test_race_block_masses_match_reference():
     got = tb.launch(x, drafts, q, params, 3, geometry=RACE_PLAN, fused=False)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     W, P = _race_masses(batch, gamma, vocab, RACE_PLAN)
-    temps = torch.ones(batch)
+    temps = torch.ones(batch, device=DEVICE)
     logp = reference.warp_rows(x, params, temps)
     logq = reference.draft_logprobs(drafts, q, params, temps, vocab)
     nb = W.shape[1]
@@ -448,5 +448,5 @@ def test_race_block_masses_match_reference():
         w = p if j == gamma else reference.race_weights(logp[b, j], logq[b, j])
         for got_m, want in ((W[b], w), (P[b], p)):
             want_m = torch.nn.functional.pad(want, pad).view(nb, -1).sum(-1)
-            torch.testing.assert_close(got_m, want_m, rtol=1e-5, atol=1e-12)
+            torch.testing.assert_close(got_m, want_m.cpu(), rtol=1e-5, atol=1e-12)
     assert (ref[1] < gamma).any() and (ref[1] == gamma).any()

@@ -108,7 +108,7 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
     rb = reference.RACE_BLOCK
     if interpret:
         block = min(_next_pow2(vocab), 32768)
-        rows = max(1, min(_next_pow2(batch), (1 << 20) // block))
+        rows = max(1, min(_next_pow2(batch), (1 << 20) // max(block, rb)))
         return Plan(rows, block, block, max(block, rb), 4, 4)
     chunk = _chunk(batch * (gamma + 1), vocab, (8192, 4096, 2048), 1024, 8 * n_sm)
     rchunk = _chunk(batch, vocab, (8192, 4096, 2048), rb, 8 * n_sm)
