@@ -93,10 +93,9 @@ def per_kernel(slot: tb._Slot, args: tuple, tail: tuple, flush: torch.Tensor, it
 
 
 def race_geometries() -> list[tb.Plan]:
-    """Pass-2 (race) variants at the default pass-1 geometry of large batches: chunk size,
-    decide step inside the race, hardware exp2."""
-    return [tb.Plan(1, 8192, 1024, rc, 4, 4, fused=False, decide_in_race=d, fast_exp=f)
-            for rc, d, f in itertools.product((2048, 4096, 8192), (False, True), (False, True))]
+    """Pass-2 (race) geometries at the default pass-1 geometry of large batches."""
+    return [tb.Plan(1, 8192, 1024, rc, 4, rw, fused=False)
+            for rc, rw in itertools.product((1024, 2048, 4096, 8192), (4, 8))]
 
 
 def geometries(quick: bool) -> list[tb.Plan]:

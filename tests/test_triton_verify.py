@@ -311,22 +311,6 @@ def test_race_several_blocks_per_program(full_q):
             assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 
-@pytest.mark.parametrize("decide_in_race,fast_exp", [(True, False), (True, True),
-                                                     (False, True)])
-def test_race_variants(decide_in_race, fast_exp):
-    """The decide step run by every race program (no decide launch) and the hardware exp2 for
-    the race weights: the reference's tokens and counts, greedy, top-k and device seeds too."""
-    gen = torch.Generator().manual_seed(23)
-    x, drafts, q = make_case(gen, 6, 3, 2100, 1.0, True, torch.bfloat16, 3.0, 0.1, False)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=2048, warps=4, rwarps=4,
-                   decide_in_race=decide_in_race, fast_exp=fast_exp)
-    for params, seed in ((SamplingParams(1.0), 8), (SamplingParams(0.0), 2),
-                         (SamplingParams(0.5, top_k=9), torch.tensor(-3, device=DEVICE))):
-        ref = reference.verify(x, drafts, q, params, seed)
-        got = tb.launch(x, drafts, q, params, seed, geometry=plan, fused=False)
-        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-
-
 def test_rchunk_must_hold_whole_race_blocks():
     x, drafts, q = make_case(torch.Generator().manual_seed(0), 1, 1, 3000, 1.0, True,
                              torch.float32, 1.0, 0.0, False)

@@ -70,8 +70,6 @@ class Plan:
     warps: int
     rwarps: int
     fused: bool | None = None   # merge choice of this plan (FUSED or the call override it)
-    decide_in_race: bool = False  # unfused: every race program decides (no decide launch)
-    fast_exp: bool = False      # race weights with the hardware exp2 (a few ulp from expf)
 
 
 @dataclass
@@ -235,18 +233,16 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
         common, BLOCK=p.block, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
-    decide_in_race = not fused and p.decide_in_race
-    if not (fused or decide_in_race):
+    if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
             common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1), **flags,
             INTERPRET=INTERPRET), 4))
     slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
-        common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), NC_P2=_bucket(nc),
-        G_P2=_next_pow2(gamma + 1), **flags, FUSED=fuse_finish, DECIDE=decide_in_race,
-        FAST_EXP=p.fast_exp, INTERPRET=INTERPRET), p.rwarps))
+        common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), **flags, FUSED=fuse_finish,
+        INTERPRET=INTERPRET), p.rwarps))
     if not fuse_finish:
         slot.launches.append(("finish", K.finish_kernel, (n_groups, 1, 1), dict(
-            common, NB_P2=_bucket(nb), **flags, FAST_EXP=p.fast_exp, INTERPRET=INTERPRET), 4))
+            common, NB_P2=_bucket(nb), **flags, INTERPRET=INTERPRET), 4))
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _SLOTS[key] = slot
     return slot

@@ -445,26 +445,16 @@ def _logp_of(x, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
 @triton.jit
 def _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp, thq,
              HAS_Q: tl.constexpr, TOPK: tl.constexpr, UNIT: tl.constexpr,
-             FAST_EXP: tl.constexpr, INTERPRET: tl.constexpr):
+             INTERPRET: tl.constexpr):
     """Race weights at tokens offs: (w, p) with p = exp(log p) and w = max(0, p - q) at a
-    rejected position (is_res), p at the bonus position (reference.race_weights). FAST_EXP:
-    the hardware exp2 instead of libdevice's expf (a few ulp apart)."""
-    p = _race_exp(_race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK, UNIT), FAST_EXP,
-                  INTERPRET)
+    rejected position (is_res), p at the bonus position (reference.race_weights)."""
+    p = _exp(_race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK, UNIT), INTERPRET)
     if HAS_Q:
         y = tl.load(drf_rows[:, None] + offs, mask=msk & is_res[:, None], other=NEG_INF)
-        q = _race_exp(_logp_of(y, scale, Mq, lSq, thq, TOPK, UNIT), FAST_EXP, INTERPRET)
+        q = _exp(_logp_of(y, scale, Mq, lSq, thq, TOPK, UNIT), INTERPRET)
     else:
         q = tl.where(offs == xtok[:, None], 1.0, 0.0)
     return tl.where(is_res[:, None], tl.maximum(p - q, 0.0), p), p
-
-
-@triton.jit
-def _race_exp(x, FAST_EXP: tl.constexpr, INTERPRET: tl.constexpr):
-    if FAST_EXP:
-        return tl.exp(x)
-    else:
-        return _exp(x, INTERPRET)
 
 
 @triton.jit
@@ -501,22 +491,14 @@ def _race_rows(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, ws, B, V, G: tl.con
 def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                 out, B, V,
                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, RCHUNK: tl.constexpr,
-                NB_P2: tl.constexpr, NC_P2: tl.constexpr, G_P2: tl.constexpr,
-                HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
-                FUSED: tl.constexpr, DECIDE: tl.constexpr, FAST_EXP: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
+                ROW_TEMP: tl.constexpr, FUSED: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass 2, first level of the race: the masses of the RBLK-token blocks in chunk c at
     position j* of each stochastic row (residual W and p's P, for the empty-residual
     fallback). A streaming reduction: no random numbers, no serial chain over tiles. With
-    DECIDE every program first runs the decide step of its row group itself (all write the
-    same values; no decide launch); with FUSED the last program of a row group draws the
-    tokens (``_draw``)."""
+    FUSED the last program of a row group draws the tokens (``_draw``)."""
     c = tl.program_id(0)
     g = tl.program_id(1)
-    if DECIDE:
-        _decide(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
-                out, B, V, G, ROWS, CHUNK, NC_P2, G_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
-        tl.debug_barrier()
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, tl.cdiv(V, CHUNK), V)
     NB = tl.cdiv(V, RBLK)
     (rows, need, j, r, is_res, tgt_rows, drf_rows, scale, Mp, lSp, Mq, lSq, thp, thq,
@@ -530,10 +512,10 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
             msk = need[:, None] & (offs < V)
             if unit:                                 # uniform per program: T = 1 everywhere
                 w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
-                                Mq, lSq, thp, thq, HAS_Q, TOPK, True, FAST_EXP, INTERPRET)
+                                Mq, lSq, thp, thq, HAS_Q, TOPK, True, INTERPRET)
             else:
                 w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
-                                Mq, lSq, thp, thq, HAS_Q, TOPK, False, FAST_EXP, INTERPRET)
+                                Mq, lSq, thp, thq, HAS_Q, TOPK, False, INTERPRET)
             bm = need & ((rows * 0 + blk) < NB)
             tl.store(ws + race + rows * NB + blk, tl.sum(w, 1), mask=bm)
             tl.store(ws + race + B * NB + rows * NB + blk, tl.sum(p, 1), mask=bm)
@@ -543,7 +525,7 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:
             _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
-                  out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, FAST_EXP, INTERPRET)
+                  out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -551,7 +533,7 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
 def _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, out,
           B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
           NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
-          FAST_EXP: tl.constexpr, INTERPRET: tl.constexpr):
+          INTERPRET: tl.constexpr):
     """Second level of the race for row group g (reference.block_race): the block
     argmax_k log M_k - log E_k (E_k = -log u at index V + 1 + k; M = W, or P when the
     residual is empty), then the token argmax_v log w_v - log E_v inside that block."""
@@ -574,7 +556,7 @@ def _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mod
     offs = kstar[:, None] * RBLK + tl.arange(0, RBLK)[None, :]
     msk = need[:, None] & (offs < V)
     w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp, Mq, lSq, thp,
-                    thq, HAS_Q, TOPK, False, FAST_EXP, INTERPRET)
+                    thq, HAS_Q, TOPK, False, INTERPRET)
     w = tl.where(empty[:, None], p, w)
     u = _uniform(key[:, None], offs, INTERPRET)
     kv = tl.where(msk, _log(w, INTERPRET) - _log(-_log(u, INTERPRET), INTERPRET), NEG_INF)
@@ -586,11 +568,10 @@ def _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mod
 def finish_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
                   out, B, V, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                   NB_P2: tl.constexpr, HAS_Q: tl.constexpr, TOPK: tl.constexpr,
-                  ROW_TEMP: tl.constexpr, FAST_EXP: tl.constexpr, INTERPRET: tl.constexpr):
+                  ROW_TEMP: tl.constexpr, INTERPRET: tl.constexpr):
     """Unfused second level of the race: one program per row group."""
     _draw(tl.program_id(0), tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed,
-          seed_mode, ws, out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, FAST_EXP,
-          INTERPRET)
+          seed_mode, ws, out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- top-k
