@@ -99,10 +99,11 @@ def race_geometries() -> list[tb.Plan]:
 
 
 def geometries(quick: bool) -> list[tb.Plan]:
-    """Launch geometries to compare (the default plan is added per shape)."""
-    chunks = (4096, 8192, 16384) if quick else (2048, 4096, 8192, 16384)
+    """Pass-1 geometries (tiles of 1024 or 2048 with per-lane running stats, or the whole
+    chunk as one tile), then the race's (the default plan is added per shape)."""
+    chunks = (4096, 8192) if quick else (2048, 4096, 8192, 16384)
     plans = [tb.Plan(1, c, b, 4096, w, 4, fused=False)
-             for c, b, w in itertools.product(chunks, (1024, 2048), (4, 8)) if b <= c]
+             for c, w in itertools.product(chunks, (4, 8)) for b in sorted({1024, c})]
     return plans + race_geometries()
 
 

@@ -192,6 +192,18 @@ def _lane_reduce(m, s, am, c2, WITH_IDX: tl.constexpr):
 
 
 @triton.jit
+def _direct_stats(x, offs, c2):
+    """(max, sum of exp2((x - max) * c2), first argmax) per row of a whole chunk, with
+    _lane_reduce's conventions: a row of only -inf gets max -inf, sum 0, index BIG_IDX; NaN
+    makes the sum NaN, +inf the max +inf."""
+    M = tl.max(x, 1)
+    Ms = tl.where(M == NEG_INF, 0.0, M)
+    S = tl.sum(tl.exp2((x - Ms[:, None]) * c2[:, None]), 1)
+    am = tl.min(tl.where(x == M[:, None], offs, BIG_IDX), 1)
+    return M, S, tl.where(S == 0.0, BIG_IDX, am)
+
+
+@triton.jit
 def _masked_logits(ptrs, msk, offs, scale, thr, TOPK: tl.constexpr):
     """One tile of logits as float32 (-inf outside the mask or below the top-k threshold)."""
     x = tl.load(ptrs[:, None] + offs[None, :], mask=msk, other=NEG_INF).to(tl.float32)
@@ -205,8 +217,21 @@ def _masked_logits(ptrs, msk, offs, scale, thr, TOPK: tl.constexpr):
 def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
                  ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                  HAS_Q: tl.constexpr, TOPK: tl.constexpr):
-    """Stats of one chunk of p (max, sum, argmax) and q (max, sum): both tiles are loaded
-    before any arithmetic, lanes keep running stats over the tiles, one reduction at the end."""
+    """Stats of one chunk of p (max, sum, argmax) and q (max, sum). BLOCK == CHUNK: the whole
+    chunk of both is loaded at once (every load in flight together), then reduced directly
+    (``_direct_stats``). Otherwise both tiles are loaded before any arithmetic, lanes keep
+    running stats over the tiles, one reduction at the end."""
+    if BLOCK == CHUNK:
+        offs = v0 + tl.arange(0, CHUNK)
+        vm = (offs < V)[None, :]
+        x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
+        mp, sp, ip = _direct_stats(x, offs[None, :], c2)
+        mq = tl.zeros([ROWS], tl.float32)
+        sq = mq
+        if HAS_Q:
+            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
+            mq, sq, iq = _direct_stats(y, offs[None, :], c2)
+        return mp, sp, ip, mq, sq
     m_p = tl.full([ROWS, BLOCK], -FLT_MAX, tl.float32)
     s_p = tl.zeros([ROWS, BLOCK], tl.float32)
     i_p = tl.zeros([ROWS, BLOCK], tl.int32)
