@@ -142,6 +142,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller geometry sweep")
     ap.add_argument("--default-only", action="store_true", help="only the default plan")
     ap.add_argument("--race-only", action="store_true", help="sweep pass-2 geometries only")
+    ap.add_argument("--plans", default="", help="JSON list of Plan fields: these plans only")
     ap.add_argument("--flush", choices=("read", "write"), default="read",
                     help="L2 flush between launches: read (clean lines) or write (dirty)")
     a = ap.parse_args()
@@ -157,6 +158,8 @@ def main() -> int:
         for s in a.shapes:
             plans = ([] if a.default_only else race_geometries() if a.race_only
                      else geometries(a.quick))
+            if a.plans:
+                plans = [tb.Plan(**d) for d in json.loads(a.plans)]
             profile_shape(tuple(int(t) for t in s.split(",")), plans, a.iters, flush, log)
     return 0
 

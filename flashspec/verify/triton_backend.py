@@ -102,8 +102,8 @@ def _bucket(n: int) -> int:
 
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
          n_sm: int = 132) -> Plan:
-    """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM (each program
-    streams its p and q tiles with one 16-byte load per lane per tile), pass-2 chunks (whole
+    """Chunking. GPU: pass-1 chunks as large as still give ~8 programs per SM, each loaded as
+    one tile (all its loads in flight at once) and reduced directly, pass-2 chunks (whole
     race blocks) likewise; fused merges only at small batch. Interpreter: few, big programs."""
     rb = reference.RACE_BLOCK
     if interpret:
@@ -112,7 +112,7 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
         return Plan(rows, block, block, max(block, rb), 4, 4)
     chunk = _chunk(batch * (gamma + 1), vocab, (8192, 4096, 2048), 1024, 8 * n_sm)
     rchunk = _chunk(batch, vocab, (8192, 4096, 2048), rb, 8 * n_sm)
-    return Plan(1, chunk, 1024, rchunk, 4, 4, fused=batch <= FUSE_MAX_BATCH)
+    return Plan(1, chunk, chunk, rchunk, 4, 4, fused=batch <= FUSE_MAX_BATCH)
 
 
 def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, programs: int) -> int:
