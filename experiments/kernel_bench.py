@@ -359,12 +359,16 @@ def plot(rows: list[dict], path: Path) -> None:
         for v in sorted({r["V"] for r in rows}):
             sel = sorted((r for r in rows if r["gamma"] == g and r["V"] == v), key=lambda r: r["B"])
             bs = [r["B"] for r in sel]
-            axes[0][col].plot(bs, [r["speedup_eager"] for r in sel], "o-", label=f"V={v}")
-            axes[1][col].plot(bs, [r["floor_ratio"] for r in sel], "o-", label=f"V={v}")
+            line, = axes[0][col].plot(bs, [r["speedup_eager"] for r in sel], "o-",
+                                      label=f"V={v}")
+            axes[1][col].plot(bs, [r["floor_ratio"] for r in sel], "o-", color=line.get_color())
+            graph = [r.get("graph_floor_ratio") for r in sel]
+            if all(isinstance(x, float) for x in graph):
+                axes[1][col].plot(bs, graph, "o:", mfc="none", color=line.get_color())
         axes[0][col].set(title=f"γ={g}", xscale="log", yscale="log", xlabel="batch B",
                          ylabel="speedup vs eager reference")
         axes[1][col].set(xscale="log", yscale="log", xlabel="batch B",
-                         ylabel="kernel time / memory floor")
+                         ylabel="kernel time / memory floor\n(filled: eager calls, open: graph)")
         axes[1][col].axhline(1.0, color="gray", lw=0.8)
         axes[1][col].axhline(2.5, color="gray", lw=0.8, ls="--")
         axes[0][col].legend(fontsize=8)

@@ -225,11 +225,12 @@ def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
         offs = v0 + tl.arange(0, CHUNK)
         vm = (offs < V)[None, :]
         x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
+        if HAS_Q:                    # requested before p's reductions (their barriers)
+            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
         mp, sp, ip = _direct_stats(x, offs[None, :], c2)
         mq = tl.zeros([ROWS], tl.float32)
         sq = mq
         if HAS_Q:
-            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
             mq, sq, iq = _direct_stats(y, offs[None, :], c2)
         return mp, sp, ip, mq, sq
     m_p = tl.full([ROWS, BLOCK], -FLT_MAX, tl.float32)
@@ -500,10 +501,10 @@ def _race_rows(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, ws, B, V, G: tl.con
     is_res = j < G
     jq = tl.where(is_res, j, 0)
     scale, c2, greedy, badt = _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP)
-    Mp = tl.load(base + 1, mask=need, other=0.0, cache_modifier=".cg")
-    lSp = tl.load(base + 2, mask=need, other=0.0, cache_modifier=".cg")
-    Mq = tl.load(base + 3, mask=need, other=0.0, cache_modifier=".cg")
-    lSq = tl.load(base + 4, mask=need, other=0.0, cache_modifier=".cg")
+    Mp = tl.load(base + 1, mask=rmask, other=0.0, cache_modifier=".cg")   # with jf, not after
+    lSp = tl.load(base + 2, mask=rmask, other=0.0, cache_modifier=".cg")
+    Mq = tl.load(base + 3, mask=rmask, other=0.0, cache_modifier=".cg")
+    lSq = tl.load(base + 4, mask=rmask, other=0.0, cache_modifier=".cg")
     r = rows * (G + 1) + j
     thp = _load_thr(ws, thr_p, r, need, TOPK)
     thq = _load_thr(ws, thr_q, rows * G + jq, need, TOPK)
