@@ -66,7 +66,7 @@ class Plan:
     rows: int           # batch rows per program (1 on the GPU)
     chunk: int          # vocabulary elements per pass-1 program
     block: int          # tile inside a chunk (lanes keep running stats over the tiles)
-    rchunk: int         # vocabulary elements per pass-2 program (a multiple of RACE_BLOCK)
+    rchunk: int         # vocabulary elements per pass-2 program (RACE_BLOCK x a power of 2)
     warps: int
     rwarps: int
     fused: bool | None = None   # merge choice of this plan (FUSED or the call override it)
@@ -217,8 +217,10 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     """Build the per-shape state. Workspaces are never evicted: a captured CUDA graph keeps
     pointing at them. A shape first seen during graph capture gets uncached buffers (zeroed
     inside the graph), since eager calls could not rely on counters that were never zeroed."""
-    if p.rchunk % reference.RACE_BLOCK:
-        raise ValueError(f"rchunk {p.rchunk} is not a multiple of {reference.RACE_BLOCK}")
+    blocks = p.rchunk // reference.RACE_BLOCK
+    if p.rchunk % reference.RACE_BLOCK or blocks & (blocks - 1):
+        raise ValueError(f"rchunk {p.rchunk} is not a power-of-two multiple of "
+                         f"{reference.RACE_BLOCK}")
     nc, ncr = -(-vocab // p.chunk), -(-vocab // p.rchunk)
     nb = -(-vocab // reference.RACE_BLOCK)
     kp2 = _next_pow2(top_k) if top_k else 1

@@ -225,12 +225,11 @@ def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
         offs = v0 + tl.arange(0, CHUNK)
         vm = (offs < V)[None, :]
         x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
-        if HAS_Q:                    # requested before p's reductions (their barriers)
-            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
         mp, sp, ip = _direct_stats(x, offs[None, :], c2)
         mq = tl.zeros([ROWS], tl.float32)
         sq = mq
         if HAS_Q:
+            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
             mq, sq, iq = _direct_stats(y, offs[None, :], c2)
         return mp, sp, ip, mq, sq
     m_p = tl.full([ROWS, BLOCK], -FLT_MAX, tl.float32)
@@ -521,7 +520,8 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
                 ROW_TEMP: tl.constexpr, FUSED: tl.constexpr, INTERPRET: tl.constexpr):
     """Pass 2, first level of the race: the masses of the RBLK-token blocks in chunk c at
     position j* of each stochastic row (residual W and p's P, for the empty-residual
-    fallback). A streaming reduction: no random numbers, no serial chain over tiles. With
+    fallback). A streaming reduction: the chunk is one [NBLK, RBLK] tile (all its loads in
+    flight together), no random numbers. With
     FUSED the last program of a row group draws the tokens (``_draw``)."""
     c = tl.program_id(0)
     g = tl.program_id(1)
@@ -532,19 +532,24 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
                         TOPK, ROW_TEMP)
     if tl.max(need.to(tl.int32), 0) > 0:
         unit = tl.max(tl.abs(tl.where(need, scale, 1.0) - 1.0), 0) == 0.0
-        for t in tl.static_range(0, RCHUNK // RBLK):
-            blk = c * (RCHUNK // RBLK) + t
-            offs = blk * RBLK + tl.arange(0, RBLK)[None, :]
-            msk = need[:, None] & (offs < V)
-            if unit:                                 # uniform per program: T = 1 everywhere
-                w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
-                                Mq, lSq, thp, thq, HAS_Q, TOPK, True, INTERPRET)
-            else:
-                w, p = _weights(tgt_rows, drf_rows, xtok, offs, msk, is_res, scale, Mp, lSp,
-                                Mq, lSq, thp, thq, HAS_Q, TOPK, False, INTERPRET)
-            bm = need & ((rows * 0 + blk) < NB)
-            tl.store(ws + race + rows * NB + blk, tl.sum(w, 1), mask=bm)
-            tl.store(ws + race + B * NB + rows * NB + blk, tl.sum(p, 1), mask=bm)
+        NBLK: tl.constexpr = RCHUNK // RBLK          # the chunk as one [NBLK, RBLK] tile:
+        blk = c * NBLK + tl.arange(0, NBLK)          # every load in flight before any sum
+        offs = (blk[:, None] * RBLK + tl.arange(0, RBLK)[None, :])[None, :, :]
+        msk = need[:, None, None] & (offs < V)
+        tr = tgt_rows[:, None]
+        dr = drf_rows[:, None]
+        if unit:                                     # uniform per program: T = 1 everywhere
+            w, p = _weights(tr, dr, xtok[:, None], offs, msk, is_res[:, None], scale[:, None],
+                            Mp[:, None], lSp[:, None], Mq[:, None], lSq[:, None],
+                            thp[:, None], thq[:, None], HAS_Q, TOPK, True, INTERPRET)
+        else:
+            w, p = _weights(tr, dr, xtok[:, None], offs, msk, is_res[:, None], scale[:, None],
+                            Mp[:, None], lSp[:, None], Mq[:, None], lSq[:, None],
+                            thp[:, None], thq[:, None], HAS_Q, TOPK, False, INTERPRET)
+        dst = rows[:, None] * NB + blk[None, :]
+        bm = need[:, None] & (blk[None, :] < NB)
+        tl.store(ws + race + dst, tl.sum(w, 2), mask=bm)
+        tl.store(ws + race + B * NB + dst, tl.sum(p, 2), mask=bm)
     if FUSED:
         tl.debug_barrier()
         counter = cnt + tl.num_programs(1) + g
