@@ -453,7 +453,7 @@ def _scaled(x, scale, UNIT: tl.constexpr):
 
 @triton.jit
 def _race_logp(tgt_rows, offs, msk, scale, Mp, lSp, thp, TOPK: tl.constexpr, UNIT: tl.constexpr):
-    """log p at tokens offs ([1, RBLOCK] tile or [ROWS, n] gather), exactly as the keys use it."""
+    """log p at tokens offs (a tile of the row, broadcast against the row pointers)."""
     x = tl.load(tgt_rows[:, None] + offs, mask=msk, other=NEG_INF)
     return _logp_of(x, scale, Mp, lSp, thp, TOPK, UNIT)
 
