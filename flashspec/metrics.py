@@ -35,7 +35,6 @@ def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[d
         groups[(r["dataset"], r["method"])].append(r)
     rows = []
     for (dataset, method), rs in sorted(groups.items()):
-        walls = {r.get("batch_id", i): r["wall_s"] for i, r in enumerate(rs)}
         ratios = [r["tps"] / base[k] for r in rs
                   if (k := (r["dataset"], r["prompt_id"], r["turn"])) in base and base[k] > 0]
         steps = sum(r["steps"] for r in rs)
@@ -43,7 +42,7 @@ def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[d
         rows.append({"dataset": dataset, "method": method, "prompts": len(rs),
                      "tokens": sum(r["n_new_tokens"] for r in rs),
                      "alpha": alpha(acc, sum(r["n_proposed"] for r in rs)), "tau": tau(acc, steps),
-                     "tps": sum(r["n_new_tokens"] for r in rs) / max(sum(walls.values()), 1e-9),
+                     "tps": pooled_rate(rs),
                      "speedup": statistics.median(ratios) if ratios else None})
     return rows
 
@@ -59,16 +58,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def pooled_rate(records: list[dict[str, Any]]) -> float:
+    """Σ new tokens / Σ wall seconds of the distinct batches (the records of one batch share
+    its wall time; a record without ``batch_id`` is its own batch)."""
+    walls = {r.get("batch_id", i): r["wall_s"] for i, r in enumerate(records)}
+    return sum(r["n_new_tokens"] for r in records) / max(sum(walls.values()), 1e-9)
+
+
 def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:
-    """Per method over the whole run (every dataset): Σ tokens / Σ batch wall seconds."""
-    tokens: dict[str, float] = defaultdict(float)
-    walls: dict[str, dict[Any, float]] = defaultdict(dict)
-    for i, r in enumerate(records):
-        if r.get("experiment", "decode") != "decode":
-            continue
-        tokens[r["method"]] += r["n_new_tokens"]
-        walls[r["method"]][r.get("batch_id", i)] = r["wall_s"]
-    return {m: tokens[m] / max(sum(walls[m].values()), 1e-9) for m in tokens}
+    """Per method over the whole run (every dataset): ``pooled_rate`` of its records."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("experiment", "decode") == "decode":
+            groups[r["method"]].append(r)
+    return {m: pooled_rate(rs) for m, rs in groups.items()}
 
 
 def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
