@@ -94,16 +94,16 @@ def per_kernel(slot: tb._Slot, args: tuple, tail: tuple, flush: torch.Tensor, it
 
 def race_geometries() -> list[tb.Plan]:
     """Pass-2 (race) geometries at the default pass-1 geometry of large batches."""
-    return [tb.Plan(1, 8192, 1024, rc, 4, rw, fused=False)
+    return [tb.Plan(1, 8192, rc, 4, rw, fused=False)
             for rc, rw in itertools.product((1024, 2048, 4096, 8192), (4, 8))]
 
 
 def geometries(quick: bool) -> list[tb.Plan]:
-    """Pass-1 geometries (tiles of 1024 or 2048 with per-lane running stats, or the whole
-    chunk as one tile), then the race's (the default plan is added per shape)."""
+    """Pass-1 geometries (chunk size, warps), then the race's (the default plan is added per
+    shape)."""
     chunks = (4096, 8192) if quick else (2048, 4096, 8192, 16384)
-    plans = [tb.Plan(1, c, b, 4096, w, 4, fused=False)
-             for c, w in itertools.product(chunks, (4, 8)) for b in sorted({1024, c})]
+    plans = [tb.Plan(1, c, 4096, w, 4, fused=False)
+             for c, w in itertools.product(chunks, (4, 8))]
     return plans + race_geometries()
 
 

@@ -125,10 +125,10 @@ def test_fused_and_separate_merges_agree(fused):
 
 
 def test_small_gpu_geometry_in_interpreter():
-    """The GPU plan (one row per program, several chunks and tiles) gives the same answers."""
+    """The GPU plan (one row per program, several chunks and race blocks) gives the same answers."""
     gen = torch.Generator().manual_seed(11)
     x, drafts, q = make_case(gen, 3, 2, 3000, 1.0, True, torch.bfloat16, 3.0, 0.1, False)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1024, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, rchunk=1024, warps=4, rwarps=4)
     for params in (SamplingParams(1.0), SamplingParams(0.0), SamplingParams(1.0, top_k=9)):
         ref = reference.verify(x, drafts, q, params, 8)
         got = tb.launch(x, drafts, q, params, 8, geometry=plan)
@@ -252,7 +252,7 @@ def test_shape_errors_are_clear():
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_float_max_and_neg_inf_chunks(temp):
-    """Chunks that hold only -inf, and maxima equal to -FLT_MAX (the lanes' start value)."""
+    """Chunks that hold only -inf, and maxima equal to -FLT_MAX."""
     fmax = torch.finfo(torch.float32).max
     x = torch.full((2, 3, 3000), float("-inf"))
     x[0, :, 2100] = -fmax
@@ -263,7 +263,7 @@ def test_float_max_and_neg_inf_chunks(temp):
     x[1, 2, 1500] = -fmax
     drafts = torch.tensor([[2100, 2100], [5, 2999]], device=DEVICE)
     x = x.to(DEVICE)
-    plan = tb.Plan(rows=1, chunk=1024, block=256, rchunk=1024, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, rchunk=1024, warps=4, rwarps=4)
     params = SamplingParams(temperature=temp)
     assert_same(x, drafts, None, params, 4)
     ref = reference.verify(x, drafts, None, params, 4)
@@ -272,21 +272,21 @@ def test_float_max_and_neg_inf_chunks(temp):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunk_argmax_ties_across_lanes_and_tiles(dtype):
-    """First argmax of pass 1 (lanes of 8 elements, tiles of 512, chunks of 1024; the last chunk
-    partial): ties inside a lane, across its tiles and across lanes; greedy fixes and races."""
+def test_chunk_argmax_ties(dtype):
+    """First argmax of pass 1 (chunks of 1024, the last one partial): ties among neighbours and
+    far apart inside a chunk, and across chunks; greedy fixes and races."""
     gen = torch.Generator().manual_seed(41)
     x = torch.randn(6, 2, 3000, generator=gen)
-    c = 1024                                            # second chunk; tile 1 starts at c + 512
+    c = 1024                                            # the second chunk
     ties = [[c + 9, c + 521, c + 513], [c + 15, c + 520], [c + 528, c + 100],
             [c + 40, c + 512], [c + 523, c + 526, 2048 + 900], [2048 + 601, 2048 + 600, 2048 + 515]]
     for b, idx in enumerate(ties):
         x[b, :, idx] = 6.0
-    x[4, :, c + 8] = 5.0                                # the lane's max grows in a later tile
+    x[4, :, c + 8] = 5.0                                # a near-max before the ties
     drafts = torch.zeros(6, 1, dtype=torch.long)
     x = x.to(dtype).to(DEVICE)
     drafts = drafts.to(DEVICE)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1024, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, rchunk=1024, warps=4, rwarps=4)
     for params in (SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=3)):
         ref = reference.verify(x, drafts, x[:, :1].flip(-1), params, 6)
         got = tb.launch(x, drafts, x[:, :1].flip(-1), params, 6, geometry=plan)
@@ -300,7 +300,7 @@ def test_race_several_blocks_per_program(full_q):
     """Pass 2 with four race blocks per program (the second program's first block partial,
     the rest past V) agrees with the reference."""
     gen = torch.Generator().manual_seed(21)
-    plan = tb.Plan(rows=1, chunk=2048, block=512, rchunk=4096, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=2048, rchunk=4096, warps=4, rwarps=4)
     for temp in (1.0, 0.5):
         x, drafts, q = make_case(gen, 10, 3, 5000, temp, full_q, torch.bfloat16, 3.0, 0.05,
                                  False)
@@ -314,13 +314,13 @@ def test_race_several_blocks_per_program(full_q):
 def test_rchunk_must_hold_whole_race_blocks():
     x, drafts, q = make_case(torch.Generator().manual_seed(0), 1, 1, 3000, 1.0, True,
                              torch.float32, 1.0, 0.0, False)
-    plan = tb.Plan(rows=1, chunk=1024, block=512, rchunk=1536, warps=4, rwarps=4)
+    plan = tb.Plan(rows=1, chunk=1024, rchunk=1536, warps=4, rwarps=4)
     with pytest.raises(ValueError, match="power-of-two multiple"):
         tb.launch(x, drafts, q, SamplingParams(1.0), 0, geometry=plan)
 
 
 # ------------------------------------------------------------------ the two-level race
-RACE_PLAN = tb.Plan(rows=1, chunk=1024, block=256, rchunk=1024, warps=4, rwarps=4)
+RACE_PLAN = tb.Plan(rows=1, chunk=1024, rchunk=1024, warps=4, rwarps=4)
 
 
 def _rejected_at_zero(vocab: int, batch: int = 2, gamma: int = 1, x_tok: int = 1):

@@ -64,8 +64,7 @@ class Plan:
     """Launch geometry of one call."""
 
     rows: int           # batch rows per program (1 on the GPU)
-    chunk: int          # vocabulary elements per pass-1 program
-    block: int          # tile inside a chunk (lanes keep running stats over the tiles)
+    chunk: int          # vocabulary elements per pass-1 program (loaded as one tile)
     rchunk: int         # vocabulary elements per pass-2 program (RACE_BLOCK x a power of 2)
     warps: int
     rwarps: int
@@ -107,12 +106,12 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
     race blocks) likewise; fused merges only at small batch. Interpreter: few, big programs."""
     rb = reference.RACE_BLOCK
     if interpret:
-        block = min(_next_pow2(vocab), 32768)
-        rows = max(1, min(_next_pow2(batch), (1 << 20) // max(block, rb)))
-        return Plan(rows, block, block, max(block, rb), 4, 4)
+        chunk = min(_next_pow2(vocab), 32768)
+        rows = max(1, min(_next_pow2(batch), (1 << 20) // max(chunk, rb)))
+        return Plan(rows, chunk, max(chunk, rb), 4, 4)
     chunk = _chunk(batch * (gamma + 1), vocab, (8192, 4096, 2048), 1024, 8 * n_sm)
     rchunk = _chunk(batch, vocab, (8192, 4096, 2048), rb, 8 * n_sm)
-    return Plan(1, chunk, chunk, rchunk, 4, 4, fused=batch <= FUSE_MAX_BATCH)
+    return Plan(1, chunk, rchunk, 4, 4, fused=batch <= FUSE_MAX_BATCH)
 
 
 def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, programs: int) -> int:
@@ -224,7 +223,7 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     nc, ncr = -(-vocab // p.chunk), -(-vocab // p.rchunk)
     nb = -(-vocab // reference.RACE_BLOCK)
     kp2 = _next_pow2(top_k) if top_k else 1
-    nct = -(-vocab // max(p.block, kp2)) if top_k else 0
+    nct = -(-vocab // max(p.chunk, kp2)) if top_k else 0
     n_groups = -(-batch // p.rows)
     ws = torch.empty(_workspace_size(batch, gamma, nc, nb, nct, kp2), dtype=torch.float32,
                      device=device)
@@ -233,7 +232,7 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
     fuse_finish = fused or FUSE_FINISH
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
-        common, BLOCK=p.block, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
+        common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
@@ -337,7 +336,7 @@ def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, tem
                  row_temp: bool) -> None:
     """Top-k thresholds (k-th largest of x/T) of every target and draft row-position."""
     kp2 = _next_pow2(k)
-    block = max(p.block, kp2)
+    block = max(p.chunk, kp2)
     nct = -(-vocab // block)
     nt_p2 = _next_pow2(nct * kp2)
     rows = p.rows if INTERPRET else 1

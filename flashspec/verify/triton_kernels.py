@@ -4,8 +4,7 @@ Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, posit
 
 1. ``stats_kernel``: per (row, position, chunk) the max, the log-sum-exp partial sum
    (temperature applied, top-k mask applied) and the first argmax of p, and the same (no
-   argmax) of q in the same program: the p and q tiles are loaded before any arithmetic, every
-   lane keeps running statistics over the chunk's tiles and the block reduces once at the end.
+   argmax) of q in the same program, each chunk loaded as one tile and reduced directly.
    The last program of a row group (atomic counter) or a separate ``decide_kernel`` decides
    with no serial chain over the drafts: the partials of all G+1 target and G draft positions
    are merged as [ROWS, G_P2, NC_P2] tiles, the draft tokens' logits gathered at once, the
@@ -20,8 +19,8 @@ Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, posit
 Layout contract: target rows [B, G+1, V] and draft rows [B, G, V] have unit strides inside a
 batch row (t_sb, d_sb are the batch strides), tokens are a contiguous [B, G] tensor, and
 ``out`` is one int64 buffer holding the tokens [B, G+1] then n_accepted [B]. Chunk and block
-counts are derived in the kernels (cdiv(V, CHUNK), cdiv(V, RBLK)); RCHUNK is a multiple of
-RBLK.
+counts are derived in the kernels (cdiv(V, CHUNK), cdiv(V, RBLK)); RCHUNK is RBLK times a
+power of two.
 
 Random numbers are ``flashspec.verify.rng.uniform`` ported to uint32 arithmetic. On the GPU
 the transcendental functions of the race are libdevice's (the ones torch's CUDA kernels
@@ -119,16 +118,6 @@ def _exp(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _log1p(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        w = 1.0 + x
-        d = tl.where(w == 1.0, 1.0, w - 1.0)
-        return tl.where(w == 1.0, x, tl.log(w) * (x / d))
-    else:
-        return libdevice.log1p(x)
-
-
-@triton.jit
 def _row_temps(temp_ptr, temp, rows, rmask, ROW_TEMP: tl.constexpr):
     """(scale, log2(e)/scale, greedy, bad) per row: scale = T, or 1 for greedy rows."""
     if ROW_TEMP:
@@ -162,40 +151,9 @@ def _layout(B, G, NC, V):
 
 # ----------------------------------------------------------------------------- pass 1
 @triton.jit
-def _lane_update(x, offs, m, s, am, c2, WITH_IDX: tl.constexpr):
-    """Per-lane online max / sum of exp((x - max) / T) / first argmax: one exp2 per element.
-
-    Exactly one of (x - m_new) and (m - m_new) is 0, so exp2(-|x - m| / T) is the only factor
-    needed. Lanes start at m = -FLT_MAX (not -inf), so x = -inf gives exp2(-inf) = 0 with no
-    select; a lane that only saw -inf keeps s = 0. NaN makes the lane sum NaN; +inf makes the
-    max +inf.
-    """
-    gt = x > m
-    if WITH_IDX:                  # s == 0: nothing seen yet (x = -FLT_MAX does not pass gt)
-        am = tl.where(gt | (s == 0.0), offs, am)
-    e = tl.exp2(-tl.abs((x - m) * c2))
-    s = tl.where(gt, s * e + 1.0, s + e)
-    return tl.maximum(m, x), s, am
-
-
-@triton.jit
-def _lane_reduce(m, s, am, c2, WITH_IDX: tl.constexpr):
-    """Merge per-lane (max, sum, argmax) into one per row (first argmax on ties, among lanes
-    that saw a value: s > 0); a row whose sum is 0 saw only -inf and gets max -inf."""
-    M = tl.max(m, 1)
-    S = tl.sum(s * tl.exp2((m - M[:, None]) * c2), 1)
-    if WITH_IDX:
-        am = tl.min(tl.where((m == M[:, None]) & (s > 0.0), am, BIG_IDX), 1)
-    else:
-        am = tl.zeros_like(M).to(tl.int32)
-    return tl.where(S == 0.0, NEG_INF, M), S, am
-
-
-@triton.jit
 def _direct_stats(x, offs, c2):
-    """(max, sum of exp2((x - max) * c2), first argmax) per row of a whole chunk, with
-    _lane_reduce's conventions: a row of only -inf gets max -inf, sum 0, index BIG_IDX; NaN
-    makes the sum NaN, +inf the max +inf."""
+    """(max, sum of exp2((x - max) * c2), first argmax) per row of a whole chunk: a row of only
+    -inf gets max -inf, sum 0 and index BIG_IDX; NaN makes the sum NaN, +inf the max +inf."""
     M = tl.max(x, 1)
     Ms = tl.where(M == NEG_INF, 0.0, M)
     S = tl.sum(tl.exp2((x - Ms[:, None]) * c2[:, None]), 1)
@@ -215,42 +173,19 @@ def _masked_logits(ptrs, msk, offs, scale, thr, TOPK: tl.constexpr):
 
 @triton.jit
 def _chunk_stats(p_rows, q_rows, rmask, qmask, v0, V, scale, c2, thp, thq,
-                 ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_Q: tl.constexpr, TOPK: tl.constexpr):
-    """Stats of one chunk of p (max, sum, argmax) and q (max, sum). BLOCK == CHUNK: the whole
-    chunk of both is loaded at once (every load in flight together), then reduced directly
-    (``_direct_stats``). Otherwise both tiles are loaded before any arithmetic, lanes keep
-    running stats over the tiles, one reduction at the end."""
-    if BLOCK == CHUNK:
-        offs = v0 + tl.arange(0, CHUNK)
-        vm = (offs < V)[None, :]
-        x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
-        mp, sp, ip = _direct_stats(x, offs[None, :], c2)
-        mq = tl.zeros([ROWS], tl.float32)
-        sq = mq
-        if HAS_Q:
-            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
-            mq, sq, iq = _direct_stats(y, offs[None, :], c2)
-        return mp, sp, ip, mq, sq
-    m_p = tl.full([ROWS, BLOCK], -FLT_MAX, tl.float32)
-    s_p = tl.zeros([ROWS, BLOCK], tl.float32)
-    i_p = tl.zeros([ROWS, BLOCK], tl.int32)
-    m_q = m_p
-    s_q = s_p
-    for t in tl.static_range(0, CHUNK, BLOCK):
-        offs = v0 + t + tl.arange(0, BLOCK)
-        vm = (offs < V)[None, :]
-        x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
-        if HAS_Q:
-            y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
-        m_p, s_p, i_p = _lane_update(x, offs[None, :], m_p, s_p, i_p, c2[:, None], True)
-        if HAS_Q:
-            m_q, s_q, i_p = _lane_update(y, offs[None, :], m_q, s_q, i_p, c2[:, None], False)
-    mp, sp, ip = _lane_reduce(m_p, s_p, i_p, c2[:, None], True)
+                 ROWS: tl.constexpr, CHUNK: tl.constexpr, HAS_Q: tl.constexpr,
+                 TOPK: tl.constexpr):
+    """Stats of one chunk of p (max, sum, argmax) and q (max, sum): each is loaded as one tile
+    (every load in flight together) and reduced directly (``_direct_stats``)."""
+    offs = v0 + tl.arange(0, CHUNK)
+    vm = (offs < V)[None, :]
+    x = _masked_logits(p_rows, rmask[:, None] & vm, offs, scale, thp, TOPK)
+    mp, sp, ip = _direct_stats(x, offs[None, :], c2)
     mq = tl.zeros([ROWS], tl.float32)
     sq = mq
     if HAS_Q:
-        mq, sq, iq = _lane_reduce(m_q, s_q, i_p, c2[:, None], False)
+        y = _masked_logits(q_rows, qmask[:, None] & vm, offs, scale, thq, TOPK)
+        mq, sq, iq = _direct_stats(y, offs[None, :], c2)
     return mp, sp, ip, mq, sq
 
 
@@ -389,7 +324,7 @@ def _load_thr(ws, base, r, rmask, TOPK: tl.constexpr):
 @triton.jit(do_not_specialize=["seed", "seed_mode"])
 def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws, cnt,
                  out, B, V,
-                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                  NC_P2: tl.constexpr, G_P2: tl.constexpr,
                  HAS_Q: tl.constexpr, TOPK: tl.constexpr, ROW_TEMP: tl.constexpr,
                  FUSED: tl.constexpr, INTERPRET: tl.constexpr):
@@ -415,7 +350,7 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
     thq = _load_thr(ws, thr_q, rq, qmask, TOPK)
     mp, sp, ip, mq, sq = _chunk_stats(tgt + rows64 * t_sb + j * V, drf + rows64 * d_sb + jq * V,
                                       rmask, qmask, c * CHUNK, V, scale, c2, thp, thq, ROWS,
-                                      CHUNK, BLOCK, HAS_Q, TOPK)
+                                      CHUNK, HAS_Q, TOPK)
     _store_stats(ws, p_m, p_s, p_i, r, c, NC, rmask, mp, sp, ip, True)
     if HAS_Q:
         _store_stats(ws, q_m, q_s, p_i, rq, c, NC, qmask, mq, sq, ip, False)
@@ -521,8 +456,8 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
     """Pass 2, first level of the race: the masses of the RBLK-token blocks in chunk c at
     position j* of each stochastic row (residual W and p's P, for the empty-residual
     fallback). A streaming reduction: the chunk is one [NBLK, RBLK] tile (all its loads in
-    flight together), no random numbers. With
-    FUSED the last program of a row group draws the tokens (``_draw``)."""
+    flight together), no random numbers. With FUSED the last program of a row group draws the
+    tokens (``_draw``)."""
     c = tl.program_id(0)
     g = tl.program_id(1)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, tl.cdiv(V, CHUNK), V)
