@@ -142,13 +142,11 @@ def margins(args: tuple, params: SamplingParams, seed: int, row: int) -> dict:
                            - logq.gather(-1, t[:, None])[:, 0]))
     n = int(((acc < 0).int().cumprod(0)).sum())
     w = logp[n].exp() if n == gamma else reference.race_weights(logp[n], logq[n])
-    vocab = x.shape[-1]
-    nb = -(-vocab // reference.RACE_BLOCK)
-    masses = torch.nn.functional.pad(w, (0, nb * reference.RACE_BLOCK - vocab)).view(nb, -1)
-    blocks = torch.arange(nb, device=x.device)
-    ub = rng.uniform(seed, streams[n], vocab + 1 + blocks)
-    keys = masses.sum(-1).log() - torch.log(-torch.log(ub))
-    top = keys.topk(min(2, nb)).values
+    masses = reference.blocks_of(w).sum(-1)
+    blocks = torch.arange(masses.shape[-1], device=x.device)
+    ub = rng.uniform(seed, streams[n], x.shape[-1] + 1 + blocks)
+    keys = masses.log() - torch.log(-torch.log(ub))
+    top = keys.topk(min(2, keys.shape[-1])).values
     return {"accept_margin": [float(v) for v in acc[:n + 1]], "jstar": n,
             "race_block_top2_gap": float(top[0] - top[-1])}
 

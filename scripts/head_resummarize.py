@@ -12,12 +12,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from experiments.head_decode import _figure, rows_from_records  # noqa: E402
+from flashspec.records import read_records  # noqa: E402
 
 
 def resummarize(run_dir: Path, commit: str) -> int:
     """Rewrite one run directory's summary; returns the number of rows."""
-    old = [json.loads(line) for line in open(run_dir / "head_summary.jsonl")]
-    records = [json.loads(line) for line in open(run_dir / "records.jsonl")]
+    old = list(read_records(run_dir / "head_summary.jsonl"))
+    records = list(read_records(run_dir / "records.jsonl"))
     latencies = {r["variant"]: r["head_latency_s"] for r in old}
     names = {r["variant"]: r["method"] for r in old}
     rows = rows_from_records(records, latencies, old[0]["gamma"], names)
