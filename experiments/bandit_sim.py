@@ -13,11 +13,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from flashspec.bandits import from_config
-from flashspec.bandits.factory import plain
+from experiments.harness import build, run_dir
 from flashspec.bandits.sim import Scenario, SimResult, draw_rewards, env_seeds, make_scenario, simulate
 from flashspec.errors import FlashSpecError
-from flashspec.records import RecordWriter, WandbLogger, provenance
+from flashspec.records import NullLogger
 from flashspec.theory import lai_robbins_bound, ucb1_regret_bound
 
 SEED_RULE = "SeedSequence([seed, crc32(scenario), replicate, stream]); stream 0 = rewards, 1 = policy"
@@ -27,34 +26,29 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Simulate every (scenario, policy) pair; return the final regrets."""
     exp = cfg.experiment
     size = _size(exp, bool(cfg.smoke))
-    out = Path(cfg.output_dir)
-    writer = RecordWriter(out / exp.records)
-    done = writer.done_keys("kind", "scenario", "policy")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    prov = provenance(config, int(cfg.seed))
-    logger = _logger(cfg, config)
-    policies = plain(exp.policies)
+    policies = OmegaConf.to_container(exp.policies, resolve=True)
     jobs = _jobs(exp, policies, size, int(cfg.seed))
     results: dict[str, dict[str, float]] = {}
-    bar = tqdm(jobs, desc="bandit_sim", disable=not exp.progress)
-    for scn, rewards, label in bar:
-        bar.set_postfix_str(f"{scn.name}/{label}")
-        if ("regret", scn.name, label) in done:
-            continue
-        rec = _run_one(scn, rewards, label, policies[label], size, int(cfg.seed), bool(exp.progress))
-        writer.write({**rec, "provenance": prov})
-        results.setdefault(scn.name, {})[label] = rec["final_regret_mean"]
-        logger.summary({f"{scn.name}/{label}/final_regret": rec["final_regret_mean"]})
-    records = list(_read(writer.path))
-    _log_tables(logger, records)
-    comparison = _paper_comparison(exp, records)
-    if comparison is not None and ("paper_comparison", comparison["scenario"], None) not in done:
-        writer.write({**comparison, "provenance": prov})
-        logger.summary({f"paper/{k}": v for k, v in comparison["ours"].items()})
-    _figure(records, out / exp.figure)
-    logger.finish()
-    return {"records": str(writer.path), "figure": str(out / exp.figure), "final_regret": results,
-            "paper_comparison": comparison}
+    with run_dir(cfg, exp.records, f"bandit_sim_seed{cfg.seed}") as run:
+        done = run.done_keys("kind", "scenario", "policy")
+        bar = tqdm(jobs, desc="bandit_sim", disable=not exp.progress)
+        for scn, rewards, label in bar:
+            bar.set_postfix_str(f"{scn.name}/{label}")
+            if ("regret", scn.name, label) in done:
+                continue
+            rec = _run_one(scn, rewards, label, policies[label], size, int(cfg.seed), bool(exp.progress))
+            run.write(rec)
+            results.setdefault(scn.name, {})[label] = rec["final_regret_mean"]
+            run.logger.summary({f"{scn.name}/{label}/final_regret": rec["final_regret_mean"]})
+        records = list(_read(run.writer.path))
+        _log_tables(run.logger, records)
+        comparison = _paper_comparison(exp, records)
+        if comparison is not None and ("paper_comparison", comparison["scenario"], None) not in done:
+            run.write(comparison)
+            run.logger.summary({f"paper/{k}": v for k, v in comparison["ours"].items()})
+        _figure(records, run.path / exp.figure)
+    return {"records": str(run.writer.path), "figure": str(run.path / exp.figure),
+            "final_regret": results, "paper_comparison": comparison}
 
 
 def _size(exp: DictConfig, smoke: bool) -> dict[str, int]:
@@ -71,7 +65,7 @@ def _jobs(exp: DictConfig, policies: dict, size: dict[str, int],
     """(scenario, rewards [seeds, T, K], policy label) for every pair to simulate."""
     jobs = []
     horizon, n_seeds = size["horizon"], size["n_seeds"]
-    for name, spec in plain(exp.scenarios).items():
+    for name, spec in OmegaConf.to_container(exp.scenarios, resolve=True).items():
         changes = [round(f * horizon) for f in spec.get("change_fractions") or ()]
         scn = make_scenario(name, horizon, spec["means"], spec.get("rewards", "bernoulli"),
                             spec.get("concentration", 10.0), changes, spec.get("domain_probs"), seed)
@@ -88,13 +82,10 @@ def _jobs(exp: DictConfig, policies: dict, size: dict[str, int],
 
 def _run_one(scn: Scenario, rewards: np.ndarray, label: str, pcfg: dict, size: dict[str, int],
              seed: int, progress: bool) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    if pcfg["name"] == "oracle":
-        overrides["means"] = scn.means
-    if "horizon" in pcfg:
-        overrides["horizon"] = scn.horizon
+    # what the scenario knows and the policy config asks for (the oracle's means, EXP3's horizon)
+    overrides = {k: v for k, v in {"means": scn.means, "horizon": scn.horizon}.items() if k in pcfg}
     seeds = env_seeds(seed, scn.name, rewards.shape[0], 1)
-    policy = from_config(pcfg, scn.n_arms, seeds, **overrides)
+    policy = build(pcfg)(scn.n_arms, seeds, **overrides)
     start = time.perf_counter()
     res = simulate(policy, scn, rewards, policy.full_info, progress, desc=f"{scn.name}/{label}")
     wall = time.perf_counter() - start
@@ -166,14 +157,7 @@ def _paper_comparison(exp: DictConfig, records: list[dict]) -> dict[str, Any] | 
     }
 
 
-def _logger(cfg: DictConfig, config: dict) -> WandbLogger:
-    lg = cfg.logger
-    return WandbLogger(mode=lg.mode, project=lg.project, name=f"bandit_sim_seed{cfg.seed}",
-                       group=lg.get("group"), config=config, tags=list(lg.get("tags") or []),
-                       entity=lg.get("entity"))
-
-
-def _log_tables(logger: WandbLogger, records: list[dict]) -> None:
+def _log_tables(logger: NullLogger, records: list[dict]) -> None:
     runs = [r for r in records if r.get("kind") == "regret"]
     logger.table("final_regret", [{k: r[k] for k in ("scenario", "policy", "final_regret_mean",
                                                          "final_regret_std", "best_arm_rate", "n_seeds")}

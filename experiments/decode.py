@@ -13,16 +13,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from flashspec.build import build_arms, build_drafter, build_policy, build_target
-from flashspec.data import Prompt, chat_ids, prompts_from_config
+from experiments.harness import (RunDir, build_arms, build_drafters, draft_context, engine_options,
+                                 load_target, make_planner, make_policy, prompt_set, run_dir)
+from flashspec.bandits import Policy
+from flashspec.data import Prompt, chat_ids
 from flashspec.engine import Arm, SpecEngine
-from flashspec.planner import WidthPlanner
 from flashspec.errors import FlashSpecError
-from flashspec.metrics import bandit_vs_fixed, format_bandit_vs_fixed, format_table, summarize
-from flashspec.records import RecordWriter, WandbLogger, provenance
+from flashspec.metrics import (bandit_vs_fixed, format_bandit_vs_fixed, format_table, percentile,
+                               rates, summarize)
 from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def engine_method(name: str, engine: SpecEngine) -> Method:
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
-                 "step_p50_s": _pct(res.step_s, 50), "step_p99_s": _pct(res.step_s, 99),
+                 "step_p50_s": percentile(res.step_s, 50), "step_p99_s": percentile(res.step_s, 99),
                  "capture_s": res.capture_s}
                 for r in res.rows]
     return Method(name, run)
@@ -81,31 +82,11 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
     return Method(name, run)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    from flashspec.metrics import percentile
-    return percentile(values, q)
-
-
-def spec_name(arms: list[Arm], cfg_bandit: DictConfig) -> str:
-    if cfg_bandit.name == "fixed":
-        return f"spec:{arms[int(cfg_bandit.get('arm', 0))].name}"
-    reward = cfg_bandit.get("reward", "alpha") or "alpha"
-    key = cfg_bandit.get("key") or "domain"
-    inner = cfg_bandit.get("inner") or {}
-    inner = inner if isinstance(inner, str) else inner.get("name", "thompson")
-    return (f"spec:bandit:{cfg_bandit.name}" + ("" if key == "domain" else f"[{key}]")
-            + ("" if cfg_bandit.name != "contextual" or inner == "thompson" else f"({inner})")
-            + ("" if reward == "alpha" else f"/{reward}"))
-
-
-def load_bandit(name: str) -> DictConfig:
-    """A ``conf/bandit/<name>.yaml`` choice, for policies compared in the same run."""
-    from flashspec.data import repo_root
-    path = repo_root() / "conf" / "bandit" / f"{name}.yaml"
-    if not path.is_file():
-        choices = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise FlashSpecError(f"experiment.extra_bandits: unknown bandit {name!r}; choose from {choices}")
-    return OmegaConf.load(path)
+def spec_name(arms: list[Arm], policy: Policy) -> str:
+    """``spec:<arm>`` for a fixed arm, ``spec:bandit:<policy label>`` for a learning policy."""
+    if not policy.learns:
+        return f"spec:{arms[int(policy.select())].name}"
+    return f"spec:bandit:{policy.label}"
 
 
 def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eos: list[int]) -> list[Method]:
@@ -114,26 +95,20 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
     unknown = [m for m in exp.methods if m not in METHODS]
     if unknown:
         raise FlashSpecError(f"unknown decode method(s) {unknown}; choose from {list(METHODS)}")
-    backend = cfg.hardware.verify_backend
-    kw = dict(params=params, backend=backend, seed=int(cfg.seed), eos_ids=eos,
-              graphs=bool(cfg.hardware.get("cuda_graphs", False)),
-              compile=bool(cfg.hardware.get("compile_step", False)))
+    kw = engine_options(cfg, params, eos)
     methods: list[Method] = []
     arms: list[Arm] = []
     if {"spec", "each_arm"} & set(exp.methods):
-        drafters = {}
-        for spec in cfg.drafters.drafters:
-            d = build_drafter(spec, target, tokenizer, cfg.hardware, cfg.head)
-            drafters[d.name] = d
-        arms = build_arms(OmegaConf.to_container(cfg.drafters, resolve=True), drafters)
+        drafters = build_drafters(cfg.drafters, draft_context(cfg, target, tokenizer))
+        arms = build_arms(cfg.drafters, drafters)
     for m in exp.methods:
         if m == "ar":
             methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
         elif m == "spec":
-            for cfg_bandit in [cfg.bandit] + [load_bandit(n) for n in exp.get("extra_bandits") or []]:
-                policy = build_policy(cfg_bandit, len(arms), int(cfg.seed))
-                planner = WidthPlanner.from_config(cfg.get("planner"))
-                name = spec_name(arms, cfg_bandit) + ("" if planner is None else "+goodput")
+            for cfg_bandit in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]:
+                policy = make_policy(cfg_bandit, len(arms), int(cfg.seed))
+                planner = make_planner(cfg)
+                name = spec_name(arms, policy) + ("" if planner is None else "+goodput")
                 methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
             methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
@@ -181,52 +156,45 @@ def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode every prompt with every method; returns the summary rows."""
     torch.manual_seed(int(cfg.seed))
-    exp, ds = cfg.experiment, cfg.dataset
+    exp = cfg.experiment
     if int(exp.batch_size) < 1:
         raise FlashSpecError(f"experiment.batch_size must be >= 1, got {exp.batch_size}")
     params = SamplingParams(float(exp.temperature), int(exp.top_k), float(exp.top_p))
-    max_new = 8 if cfg.smoke else int(ds.max_new_tokens)
-    prompts = prompts_from_config({**OmegaConf.to_container(ds, resolve=True),
-                                   **({"n_prompts": 1} if cfg.smoke else {})})
-    target, tokenizer = build_target(cfg.target, cfg.hardware)
+    dataset = prompt_set(cfg)
+    max_new = 8 if cfg.smoke else dataset.max_new_tokens
+    prompts = dataset.load(1 if cfg.smoke else None)
+    target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     methods = build_methods(cfg, target, tokenizer, params, eos)
-    out_dir = Path(cfg.output_dir)
-    writer = RecordWriter(out_dir / exp.records)
-    done = writer.done_keys("method", "prompt_id", "turn")
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    prov = provenance(resolved, int(cfg.seed))
-    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
-                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
-                         name=_run_name(), dir=out_dir)
-    batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
-    cold: dict[str, float] = {}
-    if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start
-        warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
-        for m in methods:
-            t0 = time.perf_counter()
-            m.run(warm, 4, None)
-            cold[m.name] = time.perf_counter() - t0
-        prov = {**prov, "cold_start_s": cold}
-    with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
-        for bi, batch in enumerate(batches):
-            for m in _order(methods, bi, bool(exp.get("rotate_methods", True))):
-                _decode_batch(m, batch, bi, tokenizer, max_new, params, cfg, prov, writer, logger, done)
-                bar.update()
-    from flashspec.records import read_records
-    records = list(read_records(writer.path))
-    rows = summarize(records)
-    print(f"\nrecords: {writer.path}\n" + format_table(rows))
-    cmp = bandit_vs_fixed(records)
-    if cmp is not None:
-        print("\n" + format_bandit_vs_fixed(cmp))
-        logger.summary({f"pooled/{k}": cmp[k] for k in ("vs_best_fixed", "vs_mean_fixed")})
-    _stream_figure(records, cfg, out_dir)
-    logger.table("summary", rows)
-    logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
-                    for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})
-    logger.finish()
-    return {"summary": rows, "records": str(writer.path)}
+    with run_dir(cfg, exp.records, _run_name()) as run:
+        done = run.done_keys("method", "prompt_id", "turn")
+        batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
+        if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start
+            warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
+            cold: dict[str, float] = {}
+            for m in methods:
+                t0 = time.perf_counter()
+                m.run(warm, 4, None)
+                cold[m.name] = time.perf_counter() - t0
+            run.provenance["cold_start_s"] = cold
+        with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
+            for bi, batch in enumerate(batches):
+                for m in _order(methods, bi, bool(exp.get("rotate_methods", True))):
+                    _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done)
+                    bar.update()
+        from flashspec.records import read_records
+        records = list(read_records(run.writer.path))
+        rows = summarize(records)
+        log.info("records: %s\n%s", run.writer.path, format_table(rows))
+        cmp = bandit_vs_fixed(records)
+        if cmp is not None:
+            log.info("%s", format_bandit_vs_fixed(cmp))
+            run.logger.summary({f"pooled/{k}": cmp[k] for k in ("vs_best_fixed", "vs_mean_fixed")})
+        _stream_figure(records, cfg, run.path)
+        run.logger.table("summary", rows)
+        run.logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
+                            for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})
+    return {"summary": rows, "records": str(run.writer.path)}
 
 
 def _order(methods: list[Method], batch_id: int, rotate: bool) -> list[Method]:
@@ -243,15 +211,15 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
         return
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.bandits.stream_plot import arm_names, plot_stream
-    plot_stream(records, arm_names(OmegaConf.to_container(cfg.drafters, resolve=True)),
+    from flashspec.bandits.stream_plot import plot_stream
+    from experiments.harness import arm_pairs
+    plot_stream(records, [f"{name}@{gamma}" for name, gamma in arm_pairs(cfg.drafters)],
                 out_dir / "stream.png")
-    print(f"figure: {out_dir / 'stream.png'}")
+    log.info("figure: %s", out_dir / "stream.png")
 
 
 def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer, max_new: int,
-                  params: SamplingParams, cfg: DictConfig, prov: dict, writer: RecordWriter,
-                  logger: WandbLogger, done: set) -> None:
+                  params: SamplingParams, run: RunDir, done: set) -> None:
     """All turns of one batch of prompts with one method (turn 2 follows the method's own answer)."""
     if all((method.name, p.id, t) in done for p in batch for t in range(len(p.turns))):
         return
@@ -265,14 +233,14 @@ def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer,
             answers[p.id].append(text)
             if (method.name, p.id, turn) in done:
                 continue
-            rec = _record(method.name, p, turn, prompt_ids, st, text, batch_id, len(rows), params, prov)
-            writer.write(rec)
-            logger.log({f"{p.dataset}/{method.name}/{k}": rec[k] for k in ("tps", "alpha", "tau")
+            rec = _record(method.name, p, turn, prompt_ids, st, text, batch_id, len(rows), params)
+            run.write(rec)
+            run.logger.log({f"{p.dataset}/{method.name}/{k}": rec[k] for k in ("tps", "alpha", "tau")
                         if rec[k] is not None})
 
 
 def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, text: str,
-            batch_id: int, batch_size: int, params: SamplingParams, prov: dict) -> dict[str, Any]:
+            batch_id: int, batch_size: int, params: SamplingParams) -> dict[str, Any]:
     n_new = len(st["tokens"])
     steps = st["steps"]
     return {"experiment": "decode", "method": method, "dataset": p.dataset, "prompt_id": p.id,
@@ -281,15 +249,14 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             "decode_s": st["decode_s"], "tps": n_new / st["wall_s"] if st["wall_s"] else None,
             "decode_tps": n_new / st["decode_s"] if st["decode_s"] else None, "steps": steps,
             "n_proposed": st["n_proposed"], "n_accepted": st["n_accepted"],
-            "alpha": st["n_accepted"] / st["n_proposed"] if st["n_proposed"] else None,
-            "tau": (st["n_accepted"] + steps) / steps if steps else None,
+            **rates(st["n_accepted"], st["n_proposed"], steps),
             "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
             "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
             "capture_s": st.get("capture_s", 0.0),
             **{k: st[k] for k in ("head_s", "head_calls") if k in st},
             "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
             "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
-            "tokens": st["tokens"], "text": text, "provenance": prov}
+            "tokens": st["tokens"], "text": text}
 
 
 def _run_name() -> str | None:

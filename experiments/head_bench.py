@@ -34,20 +34,10 @@ def bench_config(cfg: Any) -> BenchConfig:
 
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
-    from omegaconf import OmegaConf
-
-    from flashspec.records import WandbLogger
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    lg = cfg.logger
-    logger = WandbLogger(mode=lg.mode, project=lg.project, entity=lg.get("entity"),
-                         group=lg.get("group"), tags=list(lg.get("tags") or []),
-                         name=f"head_bench_{cfg.hardware.name}", config=resolved,
-                         dir=cfg.output_dir)
-    try:
-        summary = run_bench(bench_config(cfg), cfg.output_dir, resolved, logger)
-        logger.summary({"n_records": summary["n_records"]})
-    finally:
-        logger.finish()
+    from experiments.harness import run_dir
+    with run_dir(cfg, "head_bench.jsonl", f"head_bench_{cfg.hardware.name}") as run:
+        summary = run_bench(bench_config(cfg), cfg.output_dir, run.config, run.logger)
+        run.logger.summary({"n_records": summary["n_records"]})
     return summary
 
 

@@ -19,6 +19,7 @@ Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decod
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -29,36 +30,40 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments.decode import Method, _decode_batch, engine_method, prompt_turn_ids
-from flashspec.build import build_drafter, build_target
-from flashspec.data import prompts_from_config
+from experiments.harness import (build, draft_context, engine_options, load_target, prompt_set,
+                                 run_dir)
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
+from flashspec.heads import FullHeadChoice
 from flashspec.metrics import format_table, summarize
-from flashspec.records import RecordWriter, WandbLogger, provenance, read_records
+from flashspec.records import RecordWriter, read_records
 from flashspec.theory import rho_tps
 from flashspec.verify.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def build_variants(cfg: DictConfig, target, tokenizer) -> list[tuple[str, Any]]:
     """(name, drafter) per head variant; the first one is the full-head reference."""
     exp = cfg.experiment
-    variants = OmegaConf.to_container(exp.variants, resolve=True)
-    if not variants or variants[0].get("head", {}).get("kind", "full") != "full":
-        raise FlashSpecError("experiment.variants must start with the full head ({name: full, "
-                             "head: {kind: full}}): every ratio is taken against it")
+    variants = {k: v for k, v in exp.variants.items() if v is not None}
+    heads = {name: build(v.head) for name, v in variants.items()}
+    if not heads or not isinstance(next(iter(heads.values())), FullHeadChoice):
+        raise FlashSpecError("experiment.variants must start with the full head ({full: {head: "
+                             "{_target_: flashspec.heads.FullHeadChoice}}}): every ratio is taken "
+                             "against it")
+    ctx = draft_context(cfg, target, tokenizer)
     out = []
-    for v in variants:
-        spec = {**OmegaConf.to_container(exp.drafter, resolve=True), **v.get("drafter", {})}
-        spec["name"] = f"{spec.get('name', spec['kind'])}[{v['name']}]"
-        out.append((v["name"], build_drafter(spec, target, tokenizer, cfg.hardware, v.get("head"))))
+    for name, v in variants.items():
+        entry = OmegaConf.merge(exp.drafter, v.get("drafter") or {})
+        make = build(entry, _partial_=True)
+        out.append((name, make(ctx=ctx, name=f"{exp.drafter_name}[{name}]", head=heads[name])))
     return out
 
 
 def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
     """Median seconds of one head call on a single hidden vector (B = 1), in this process."""
-    head = getattr(drafter, "head", None)
-    if head is None:
-        raise FlashSpecError(f"drafter {drafter.name!r} has no LM head to compare")
+    head = drafter.head
     h = torch.randn(1, hidden, device=device, dtype=dtype)
     times = []
     with torch.inference_mode():
@@ -199,15 +204,15 @@ def rows_from_records(records: list[dict], latencies: dict[str, float], gamma: i
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode the prompts with every head variant (and AR); write records, summary and figure."""
     torch.manual_seed(int(cfg.seed))
-    exp, ds = cfg.experiment, cfg.dataset
+    exp = cfg.experiment
     gamma = int(exp.gamma)
     params = SamplingParams(float(exp.temperature), 0, 1.0)
-    max_new = 8 if cfg.smoke else int(ds.max_new_tokens)
-    prompts = prompts_from_config({**OmegaConf.to_container(ds, resolve=True),
-                                   **({"n_prompts": 1} if cfg.smoke else {})})
-    target, tokenizer = build_target(cfg.target, cfg.hardware)
+    dataset = prompt_set(cfg)
+    max_new = 8 if cfg.smoke else dataset.max_new_tokens
+    prompts = dataset.load(1 if cfg.smoke else None)
+    target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    kw = dict(params=params, backend=cfg.hardware.verify_backend, seed=int(cfg.seed), eos_ids=eos)
+    kw = {**engine_options(cfg, params, eos), "graphs": False, "compile": False}
     variants = build_variants(cfg, target, tokenizer)
     methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw))]
     names: dict[str, str] = {}
@@ -219,32 +224,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     iters = 5 if cfg.smoke else int(exp.timing_iters)
     latencies = {name: head_latency(d, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}
-    out_dir = Path(cfg.output_dir)
-    writer = RecordWriter(out_dir / "records.jsonl")
-    done = writer.done_keys("method", "prompt_id", "turn")
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    prov = provenance(resolved, int(cfg.seed))
-    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
-                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
-                         dir=out_dir)
-    warm = prompt_turn_ids(tokenizer, prompts[0], [])
-    for m in methods:
-        m.run([warm], 4, None)
-    with tqdm(total=len(prompts) * len(methods), desc="head_decode", unit="prompt") as bar:
-        for i, p in enumerate(prompts):
-            for m in methods:
-                _decode_batch(m, [p], i, tokenizer, max_new, params, cfg, prov, writer, logger, done)
-                bar.update()
-    records = list(read_records(writer.path))
-    summary = summarize(records)
-    rows = rows_from_records(records, latencies, gamma, names, summary)
-    head_writer = RecordWriter(out_dir / "head_summary.jsonl")
-    for r in rows:
-        head_writer.write({"experiment": "head_decode", **r, "provenance": prov})
-    print(f"\nrecords: {writer.path}\n" + format_table(summary) + "\n\n" + _table(rows))
-    _figure(rows, out_dir / "rho_tps.png")
-    logger.table("head_summary", rows)
-    logger.finish()
+    with run_dir(cfg, "records.jsonl") as run:
+        done = run.done_keys("method", "prompt_id", "turn")
+        warm = prompt_turn_ids(tokenizer, prompts[0], [])
+        for m in methods:
+            m.run([warm], 4, None)
+        with tqdm(total=len(prompts) * len(methods), desc="head_decode", unit="prompt") as bar:
+            for i, p in enumerate(prompts):
+                for m in methods:
+                    _decode_batch(m, [p], i, tokenizer, max_new, params, run, done)
+                    bar.update()
+        records = list(read_records(run.writer.path))
+        summary = summarize(records)
+        rows = rows_from_records(records, latencies, gamma, names, summary)
+        head_writer = RecordWriter(run.path / "head_summary.jsonl")
+        for r in rows:
+            head_writer.write({"experiment": "head_decode", **r, "provenance": run.provenance})
+        log.info("records: %s\n%s\n\n%s", run.writer.path, format_table(summary), _table(rows))
+        _figure(rows, run.path / "rho_tps.png")
+        run.logger.table("head_summary", rows)
     return {"summary": summary, "heads": rows}
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from flashspec.errors import FlashSpecError
-from flashspec.records import RecordWriter, WandbLogger, provenance
+from flashspec.records import NullLogger, RecordWriter, provenance
 from flashspec.verify import SamplingParams, reference
 
 RECORDS = "kernel_bench.jsonl"
@@ -285,7 +285,7 @@ def shapes_of(knobs: dict) -> list[tuple[int, int, int]]:
 
 
 def bench(knobs: dict, device: torch.device, bandwidth_gbs: float, out_dir: Path,
-          config: dict, seed: int, logger: WandbLogger | None = None) -> dict:
+          config: dict, seed: int, logger: NullLogger | None = None) -> dict:
     """All shapes; one JSONL record per shape (flushed), then the figure."""
     writer = RecordWriter(out_dir / RECORDS)
     compiled = compile_reference() if knobs.get("compile_ref") and device.type == "cuda" else None
@@ -445,20 +445,13 @@ def pick_device(name: str) -> torch.device:
 
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
-    from omegaconf import OmegaConf
-    conf = OmegaConf.to_container(cfg, resolve=True)
-    device = pick_device(conf["hardware"]["device"])
-    lg = conf["logger"]
-    logger = WandbLogger(mode=lg["mode"], project=lg["project"], entity=lg.get("entity"),
-                         group=lg.get("group"), tags=list(lg.get("tags") or []),
-                         name=f"kernel_bench_{conf['hardware']['name']}", config=conf,
-                         dir=conf["output_dir"])
-    try:
+    from experiments.harness import run_dir
+    with run_dir(cfg, RECORDS, f"kernel_bench_{cfg.hardware.name}") as run:
+        conf = run.config
+        device = pick_device(conf["hardware"]["device"])
         knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)
         summary = bench(knobs, device, float(conf["hardware"]["mem_bandwidth_gbs"]),
-                        Path(conf["output_dir"]), conf, int(conf["seed"]), logger)
-    finally:
-        logger.finish()
+                        run.path, conf, int(conf["seed"]), run.logger)
     _gate(summary)
     return summary
 
@@ -488,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
     args = ap.parse_args(argv)
-    exp = yaml.safe_load((ROOT / "conf/experiment/kernel_bench.yaml").read_text())
+    exp = yaml.safe_load((ROOT / "conf/experiment/kernel_bench.yaml").read_text())["experiment"]
     hw = yaml.safe_load((ROOT / f"conf/hardware/{args.hardware}.yaml").read_text())
     for kv in args.set:
         key, _, val = kv.partition("=")

@@ -17,6 +17,7 @@ flashspec.training``, which does not import the experiments package).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,9 @@ def run(cfg) -> dict[str, Any]:
     """Hydra entry: target/hardware/head/logger from their groups, knobs from cfg.experiment."""
     import torch
     from omegaconf import OmegaConf
-    from flashspec.build import build_target, make_head
-    from flashspec.data import repo_root
-    from flashspec.records import WandbLogger, provenance
+    from experiments.harness import build, load_target, run_dir
+    from flashspec.heads import LowRankChoice
+    from flashspec.paths import repo_path
     from flashspec.training.run import JobOptions, data_specs, run_job, train_config
 
     exp = OmegaConf.to_container(cfg.experiment, resolve=True)
@@ -39,27 +40,18 @@ def run(cfg) -> dict[str, Any]:
     mix = [{**part, **(SMOKE_DATA if cfg.smoke else {})} for part in (exp.get("data_mix") or [{}])]
     tr = {"seed": int(cfg.seed), **exp["train"], **(SMOKE_TRAIN if cfg.smoke else {})}
     out = Path(cfg.output_dir)
-    cache = out / "eagle_data" if cfg.smoke else _path(exp.get("cache_dir") or ".cache/eagle_data",
-                                                       repo_root())
+    cache = out / "eagle_data" if cfg.smoke else repo_path(exp.get("cache_dir") or ".cache/eagle_data")
     opts = JobOptions(data=data_specs(data, mix), train=train_config(tr), out_dir=out, cache_dir=cache,
                       source=str(cfg.target.source), save_dtype=exp.get("save_dtype", "float16"),
                       export=None if cfg.smoke else exp.get("export"),
                       train_head=bool(exp.get("train_head", False)))
-    target, tokenizer = build_target(cfg.target, cfg.hardware)
-    head = make_head(cfg.head, target)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    logger = WandbLogger(mode=cfg.logger.mode, project=cfg.logger.project, entity=cfg.logger.entity,
-                         group=cfg.logger.group, tags=list(cfg.logger.tags), config=resolved,
-                         name="train_drafter", dir=out)
-    try:
-        return run_job(target, tokenizer, opts, head, logger, provenance(resolved, int(cfg.seed)))
-    finally:
-        logger.finish()
-
-
-def _path(value: str, root: Path) -> Path:
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else root / path
+    target, tokenizer = load_target(cfg)
+    choice = build(cfg.head)
+    if isinstance(choice, LowRankChoice) and choice.init == "trained":   # what it starts from
+        choice = replace(choice, init="svd")
+    head = choice.build(target.lm_head_weight, None, "train_drafter")
+    with run_dir(cfg, "train_records.jsonl", "train_drafter") as run:
+        return run_job(target, tokenizer, opts, head, run.logger, run.provenance)
 
 
 if __name__ == "__main__":

@@ -115,11 +115,37 @@ def load_prompts(name: str, n: int | None = None, seed: int = 0, split: str = "e
     return prompts[:n] if n is not None else prompts
 
 
-def prompts_from_config(cfg: Mapping[str, Any]) -> list[Prompt]:
-    """``load_prompts`` from a ``conf/dataset/*.yaml`` mapping."""
-    return load_prompts(cfg["name"], n=cfg.get("n_prompts"), seed=int(cfg.get("seed", 0)),
-                        split=cfg.get("split", "eval"), source=cfg.get("source", "local"),
-                        block_size=int(cfg.get("block_size", 4)))
+@dataclass(frozen=True)
+class PromptSet:
+    """A prompt set of a run (``conf/dataset/*.yaml``): which prompts and how long the answers.
+
+    ``n_prompts`` None is the whole split; ``seed`` picks the order (which n prompts), not the
+    split; ``block_size`` only shapes ``mixed`` (prompts per domain block).
+    """
+
+    name: str
+    n_prompts: int | None = 8
+    max_new_tokens: int = 128
+    split: str = "eval"
+    seed: int = 0
+    source: str = "local"
+    block_size: int = 4
+
+    def __post_init__(self) -> None:
+        _check_name(self.name, STREAMS)
+        _check_name(self.split, SPLITS, what="split")
+        _check_name(self.source, SOURCES, what="source")
+        for key in ("n_prompts", "max_new_tokens", "block_size"):
+            value = getattr(self, key)
+            if value is None and key == "n_prompts":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise FlashSpecError(f"dataset.{key}={value!r}; it must be a positive int")
+
+    def load(self, n: int | None = None) -> list[Prompt]:
+        """The prompts (the first ``n`` of them when given: a smoke run)."""
+        return load_prompts(self.name, n=n if n is not None else self.n_prompts, seed=self.seed,
+                            split=self.split, source=self.source, block_size=self.block_size)
 
 
 def split_ids(name: str, split: str = "eval", source: str = "local") -> list[str]:

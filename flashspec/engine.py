@@ -15,10 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
+from flashspec.bandits.base import Policy
+from flashspec.bandits.index import FixedArm
 from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphedStep
+from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.verify import get_backend
@@ -53,11 +56,11 @@ class RowResult:
 
     @property
     def alpha(self) -> float | None:
-        return self.n_accepted / self.n_proposed if self.n_proposed else None
+        return alpha(self.n_accepted, self.n_proposed)
 
     @property
     def tau(self) -> float | None:
-        return (self.n_accepted + self.steps) / self.steps if self.steps else None
+        return tau(self.n_accepted, self.steps)
 
 
 @dataclass
@@ -67,19 +70,6 @@ class BatchResult:
     decode_s: float
     step_s: list[float]
     capture_s: float = 0.0      # CUDA-graph capture time spent inside this call (cold start)
-
-
-class FixedPolicy:
-    """Always the same arm (the static baseline; ``flashspec.bandits`` has adaptive ones)."""
-
-    def __init__(self, arm: int = 0) -> None:
-        self.arm = arm
-
-    def select(self, context: dict | None = None) -> int:
-        return self.arm
-
-    def update(self, arm: int, reward: float, cost: float = 1.0, context: dict | None = None) -> None:
-        return None
 
 
 class SpecEngine:
@@ -93,7 +83,7 @@ class SpecEngine:
     drafts per step as pay for their cost (0: a plain target step).
     """
 
-    def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Any = None,
+    def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Policy | None = None,
                  params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
                  eos_ids: Sequence[int] = (), graphs: bool = False, compile: bool = False,
                  planner: WidthPlanner | None = None) -> None:
@@ -104,10 +94,13 @@ class SpecEngine:
                 raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
         self.target, self.arms, self.params = target, list(arms), params
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
-        self.policy = policy if policy is not None else FixedPolicy(0)
+        self.policy = policy if policy is not None else FixedArm(len(self.arms))
+        if self.policy.n_arms != len(self.arms):
+            raise FlashSpecError(f"the policy was built for {self.policy.n_arms} arms; the engine "
+                                 f"has {len(self.arms)}")
         self.planner = planner
-        self.reward_kind = getattr(self.policy, "reward_kind", "alpha")
-        adaptive = len(self.arms) > 1 and hasattr(self.policy, "reward_kind")  # a learning bandit
+        self.reward_kind = self.policy.reward_kind
+        adaptive = len(self.arms) > 1 and self.policy.learns
         if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
             raise FlashSpecError("an 'ar' arm (no speculation) proposes nothing, so only a policy "
                                  "rewarded by tokens per second (reward: tps) can score it")
@@ -167,24 +160,21 @@ class SpecEngine:
         for every γ' up to their arms' largest γ (the planner may verify fewer drafts)."""
         capture = self.target.device.type == "cuda"
         for drafter in self.drafters:
-            if hasattr(drafter, "use_graphs"):
-                drafter.use_graphs(capture)
-                gamma = max(a.gamma for a in self.arms if a.drafter is drafter)
-                drafter.prepare_graphs(batch, gamma, self.params, self.target.device)
+            gamma = max(a.gamma for a in self.arms if a.drafter is drafter)
+            drafter.prepare_graphs(batch, gamma, self.params, self.target.device, capture)
 
     @property
     def capture_s(self) -> float:
         """CUDA-graph capture time spent by this engine so far (step runners and drafters)."""
         runner = self.step_runner.capture_s if self.step_runner is not None else 0.0
-        drafters = sum(d.graphs.capture_s for d in self.drafters
-                       if getattr(d, "graphs", None) is not None)
+        drafters = sum(d.capture_s for d in self.drafters)
         return self._retired_capture_s + runner + drafters
 
     def _step_widths(self) -> dict[int, bool]:
         """Verify widths the arms can produce -> whether a full-q (draft logits) step occurs."""
         widths: dict[int, bool] = {1: False}
         for arm in self.arms:
-            one_hot = arm.drafter is None or getattr(arm.drafter, "one_hot", False)
+            one_hot = arm.drafter is None or arm.drafter.one_hot
             for w in range(2, arm.gamma + 2):
                 widths[w] = widths.get(w, False) or not one_hot
         return widths
@@ -195,10 +185,9 @@ class SpecEngine:
         if self.planner is None or arm.drafter is None or arm.gamma == 0:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
-        lookup = getattr(arm.drafter, "available", None)
 
         def avail() -> list[int]:   # asked only when drafting might pay (n-gram: one lookup, kept)
-            return lookup(state, arm.gamma) if lookup is not None else [arm.gamma if r else 0 for r in live]
+            return arm.drafter.available(state, arm.gamma)
         k = self.planner.plan(arm.gamma, avail, live)
         if k == 0:
             return Arm(None, 0), [0] * state.batch
@@ -288,7 +277,7 @@ class SpecEngine:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
             if self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
-                typical = not getattr(arm.drafter, "catching_up", False)
+                typical = arm.drafter is None or not arm.drafter.catching_up
                 self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
                                      n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
@@ -308,7 +297,7 @@ class SpecEngine:
     def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
         """What the policy may condition on: step, domain, and drafter features it asks for."""
         context: dict = {"step": step, "domain": domain}
-        wanted = set(getattr(self.policy, "context_keys", ())) - set(context)
+        wanted = set(self.policy.context_keys) - set(context)
         for drafter in self.drafters if wanted else ():
             context.update(drafter.features(state))
         return context

@@ -16,6 +16,11 @@ def tau(n_accepted: int, steps: int) -> float | None:
     return (n_accepted + steps) / steps if steps else None
 
 
+def rates(n_accepted: int, n_proposed: int, steps: int) -> dict[str, float | None]:
+    """``{"alpha": α, "tau": τ}`` of one record or group (ratios of sums)."""
+    return {"alpha": alpha(n_accepted, n_proposed), "tau": tau(n_accepted, steps)}
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -41,7 +46,7 @@ def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[d
         acc = sum(r["n_accepted"] for r in rs)
         rows.append({"dataset": dataset, "method": method, "prompts": len(rs),
                      "tokens": sum(r["n_new_tokens"] for r in rs),
-                     "alpha": alpha(acc, sum(r["n_proposed"] for r in rs)), "tau": tau(acc, steps),
+                     **rates(acc, sum(r["n_proposed"] for r in rs), steps),
                      "tps": pooled_rate(rs),
                      "speedup": statistics.median(ratios) if ratios else None})
     return rows

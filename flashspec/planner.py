@@ -17,17 +17,12 @@ it does not pay decodes as plain AR. ``objective='total'`` counts every live row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 from flashspec.errors import FlashSpecError
+from flashspec.theory import expected_tau
 
 OBJECTIVES = ("makespan", "total")
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + α + ... + α^k: expected tokens a row commits when k drafts are verified (the
-    closed form; ``WidthPlanner._best`` sums the same terms k by k)."""
-    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def _call(available: list[int] | Callable[[], list[int]]) -> list[int]:
@@ -142,13 +137,3 @@ class WidthPlanner:
         if step_trials:
             self.batch_succ = self.decay * self.batch_succ + step_succ
             self.batch_trials = self.decay * self.batch_trials + step_trials
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None) -> "WidthPlanner | None":
-        """From conf/planner (``name: none`` or missing: no planner, γ as the arm says)."""
-        if not cfg or cfg.get("name", "none") == "none":
-            return None
-        if cfg["name"] != "goodput":
-            raise FlashSpecError(f"unknown planner {cfg['name']!r}; choose none or goodput")
-        keys = ("objective", "explore", "decay", "smoothing", "prior", "replan")
-        return cls(**{k: cfg[k] for k in keys if cfg.get(k) is not None})

@@ -95,31 +95,44 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
-class WandbLogger:
-    """W&B run (offline by default); a no-op when ``mode`` is 'disabled'."""
+class NullLogger:
+    """The logger that does nothing (``logger=disabled``): runners log unconditionally."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def log(self, data: dict[str, Any], step: int | None = None) -> None:
+        pass
+
+    def summary(self, data: dict[str, Any]) -> None:
+        pass
+
+    def table(self, key: str, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class WandbLogger(NullLogger):
+    """A W&B run (``mode``: offline by default, or online)."""
 
     def __init__(self, mode: str = "offline", project: str = "flashspec", name: str | None = None,
                  group: str | None = None, config: dict | None = None, tags: list | None = None,
                  entity: str | None = None, dir: str | Path | None = None) -> None:
-        self.run = None
-        if mode == "disabled":
-            return
         import wandb
-        os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(mode=mode, project=project, name=name, group=group, entity=entity,
                               config=config, tags=list(tags or []), dir=str(dir) if dir else None,
-                              reinit="finish_previous")
+                              reinit="finish_previous", settings=wandb.Settings(silent=True))
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
-        if self.run is not None:
-            self.run.log(data, step=step)
+        self.run.log(data, step=step)
 
     def summary(self, data: dict[str, Any]) -> None:
-        if self.run is not None:
-            self.run.summary.update(data)
+        self.run.summary.update(data)
 
     def table(self, key: str, rows: list[dict[str, Any]]) -> None:
-        if self.run is not None and rows:
+        if rows:
             import wandb
             cols = list(rows[0])
             self.run.log({key: wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])})

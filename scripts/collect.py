@@ -31,6 +31,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashspec.errors import FlashSpecError  # noqa: E402
+from flashspec.metrics import alpha, tau  # noqa: E402
 from flashspec.records import read_records  # noqa: E402
 
 DECODE = "decode"
@@ -206,18 +207,18 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _weighted_tau(g: pd.DataFrame) -> float:
-    """Tokens per target forward over the group: Σ τ·steps / Σ steps."""
+    """Tokens per target forward over the group's records that measure it (ratio of sums)."""
     if "tau" not in g:
         return float("nan")
-    ok = g["tau"].notna() & (g["steps"] > 0)
-    steps = g.loc[ok, "steps"].sum()
-    return float((g.loc[ok, "tau"] * g.loc[ok, "steps"]).sum() / steps) if steps else float("nan")
+    ok = g["tau"].notna()
+    value = tau(int(g.loc[ok, "n_accepted"].sum()), int(g.loc[ok, "steps"].sum()))
+    return float("nan") if value is None else value
 
 
 def _alpha(g: pd.DataFrame) -> float:
     """Accepted / proposed draft tokens, as a ratio of sums."""
-    proposed = g["n_proposed"].sum()
-    return float(g["n_accepted"].sum() / proposed) if proposed else float("nan")
+    value = alpha(int(g["n_accepted"].sum()), int(g["n_proposed"].sum()))
+    return float("nan") if value is None else value
 
 
 def main(argv: list[str] | None = None) -> int:

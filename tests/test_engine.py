@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashspec.build import check_shared_vocab
-from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.drafters import DraftContext, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models import LlamaLM, load_model, smollm2_dir
@@ -74,11 +73,11 @@ def small_model_dir(out: Path, n_layers: int = 8) -> Path:
 @pytest.fixture(scope="module")
 def arms(smol, tmp_path_factory) -> dict[str, Arm]:
     model, tok = smol
-    small, small_tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("small"))))
-    check_shared_vocab("small", tok, small_tok, model, small)
+    small = ModelDrafter.separate(DraftContext(model, tok), "small8",
+                                  source=str(small_model_dir(tmp_path_factory.mktemp("small"))))
     return {"ngram": Arm(NgramDrafter(), 4),
             "layerskip": Arm(ModelDrafter(model, list(range(12)), name="skip12"), 3),
-            "model": Arm(ModelDrafter(small, None, name="small8"), 3)}
+            "model": Arm(small, 3)}
 
 
 def test_ar_engine_matches_full_recompute(smol, prompts, reference):

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from flashspec.bandits.rewards import REWARD_KINDS
 from flashspec.errors import FlashSpecError
 
 Context = dict[str, Any] | None
@@ -52,18 +53,32 @@ class Policy:
         n_arms: number of arms K (the engine maps an arm index to a (drafter, γ) pair).
         seed: an int (one replicate, the engine's case) or a sequence of ints (one
             replicate per seed, for vectorised simulation).
+        reward: what the engine feeds back after each step (:data:`REWARD_KINDS`): ``alpha``
+            (acceptance rate), ``tps`` (tokens per second of the step) or ``accepted_per_cost``.
         reward_scale: rewards are divided by this before policies that need [0, 1]
             (UCB bonuses, Beta posteriors, EXP3) use them; set it to the reward's range
             when the reward is not a rate in [0, 1] (e.g. ``reward: tps``).
+        full_info: the caller may feed every arm's outcome (``update_all``) when it knows it.
+
+    Class attributes declare the rest of what the engine reads: ``learns`` (False for a
+    policy whose choice never depends on feedback) and :attr:`context_keys` (context entries
+    the policy conditions on; the engine computes drafter features only when asked).
     """
 
     name = "policy"
+    learns = True
 
-    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, reward_scale: float = 1.0) -> None:
+    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, reward: str = "alpha",
+                 reward_scale: float = 1.0, full_info: bool = False) -> None:
         if int(n_arms) < 1:
             raise FlashSpecError(f"bandit needs at least one arm, got n_arms={n_arms}")
         if not reward_scale > 0:
             raise FlashSpecError(f"bandit reward_scale must be > 0, got {reward_scale}")
+        if reward not in REWARD_KINDS:
+            raise FlashSpecError(f"bandit.reward={reward!r} is unknown; choose one of "
+                                 f"{', '.join(REWARD_KINDS)}")
+        self.reward_kind = reward
+        self.full_info = bool(full_info)
         self.n_arms = int(n_arms)
         self.seeds = [int(seed)] if np.isscalar(seed) else [int(s) for s in seed]
         if not self.seeds:
@@ -77,6 +92,16 @@ class Policy:
         self._counts = np.zeros(shape)
         self._sums = np.zeros(shape)
         self._cost_sums = np.zeros(shape)
+
+    @property
+    def context_keys(self) -> tuple[str, ...]:
+        """Context entries this policy reads besides ``step`` and ``domain`` (none here)."""
+        return ()
+
+    @property
+    def label(self) -> str:
+        """Short name for records and tables: ``ucb1``, ``ucb1/tps``, ``contextual[ngram_hit]/tps``."""
+        return self.name + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}")
 
     # ---------------------------------------------------------------- scalar API (engine)
     def select(self, context: Context = None) -> int:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from flashspec.bandits.base import Context, Policy
+from flashspec.bandits.thompson import ThompsonSampling
 from flashspec.errors import FlashSpecError
 
 
@@ -19,6 +20,8 @@ def derive_seed(seed: int, key: object) -> int:
 class PerDomain(Policy):
     """Keeps one ``inner`` policy per ``context[key]`` (default: the prompt's domain).
 
+    ``inner`` builds a policy: ``inner(n_arms, seeds, reward_scale=...)`` — a policy class or a
+    ``functools.partial`` of one (what a ``_partial_: true`` Hydra config instantiates to).
     Steps without that key share one policy (key None). ``update`` goes to the context it is
     given, or to the one of the last ``select`` when it is given none. ``counts`` / ``values``
     aggregate over domains; ``per_domain`` has the breakdown.
@@ -27,31 +30,32 @@ class PerDomain(Policy):
     name = "contextual"
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0,
-                 inner: str | Mapping[str, Any] = "thompson", key: str = "domain", **kw: float) -> None:
+                 inner: Callable[..., Policy] = ThompsonSampling, key: str = "domain", **kw: Any) -> None:
         super().__init__(n_arms, seed, **kw)
-        spec = {"name": inner} if isinstance(inner, str) else dict(inner)
-        if spec.get("name") in (None, self.name):
-            raise FlashSpecError("bandit=contextual: inner must name a non-contextual policy, "
-                                 "e.g. inner: {name: thompson}")
-        spec.setdefault("reward_scale", self.reward_scale)
-        self.inner_spec = spec
+        self.inner = inner
         self.key = key
         self.policies: dict[object, Policy] = {}
         self._last_key: object = None
-        self._policy(None)  # validate the inner spec now rather than at the first step
+        first = self._policy(None)  # validate the inner policy now rather than at the first step
+        if isinstance(first, PerDomain):
+            raise FlashSpecError("bandit=contextual: inner must be a non-contextual policy, "
+                                 "e.g. inner: {_target_: flashspec.bandits.ThompsonSampling}")
+        self.inner_name = first.name
 
     @property
     def context_keys(self) -> tuple[str, ...]:
-        """Context entries this policy reads (the engine computes drafter features on demand)."""
         return (self.key,)
+
+    @property
+    def label(self) -> str:
+        inner = "" if self.inner_name == "thompson" else f"({self.inner_name})"
+        key = "" if self.key == "domain" else f"[{self.key}]"
+        return self.name + key + inner + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}")
 
     def _policy(self, key: object) -> Policy:
         if key not in self.policies:
-            from flashspec.bandits.factory import make_policy
-            spec = dict(self.inner_spec)
-            name = spec.pop("name")
             seeds = [derive_seed(s, key) for s in self.seeds]
-            self.policies[key] = make_policy(name, self.n_arms, seeds, **spec)
+            self.policies[key] = self.inner(self.n_arms, seeds, reward_scale=self.reward_scale)
         return self.policies[key]
 
     def _key(self, context: Context) -> object:

@@ -13,6 +13,7 @@ class FixedArm(Policy):
     """Always plays ``arm`` (the static baseline: one drafter, one γ)."""
 
     name = "fixed"
+    learns = False
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, arm: int = 0, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)

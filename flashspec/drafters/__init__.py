@@ -1,6 +1,8 @@
-"""Drafters: a separate model, a layer subset of the target (self-draft), n-gram lookup."""
-from flashspec.drafters.base import DecodeState, Drafter
+"""Drafters: a separate model, a layer subset of the target (self-draft), n-gram lookup, and the
+trained feature-level (EAGLE-style) drafter."""
+from flashspec.drafters.base import DecodeState, DraftContext, Drafter
+from flashspec.drafters.eagle import EagleDrafter
 from flashspec.drafters.model import ModelDrafter
 from flashspec.drafters.ngram import NgramDrafter
 
-__all__ = ["DecodeState", "Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["DecodeState", "DraftContext", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter"]

@@ -1,11 +1,14 @@
 """The drafter interface and the decode state that drafters read."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from flashspec.graphs import GraphCache
+from flashspec.models.llama import LlamaLM
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -48,31 +51,76 @@ class DecodeState:
         return self.tokens.gather(1, pos), pos
 
 
-class Drafter:
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter builder may use: the target it drafts for, the target's tokenizer, and
+    where models run (device, dtype name)."""
+
+    target: LlamaLM
+    tokenizer: Any = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+class Drafter(ABC):
     """Proposes γ tokens per row; ``q`` is the exact distribution they were sampled from.
 
-    ``propose`` returns (tokens [B, γ'], logits [B, γ', V] or None) with γ' <= γ (None: the
-    proposal is deterministic, so q is one-hot). ``observe`` is called after every commit so the
-    drafter can roll its own state back; ``reset`` before every new batch of prompts.
+    Everything the engine and the planner use is declared here:
+
+    - ``propose`` returns (tokens [B, γ'], logits [B, γ', V] or None) with γ' <= γ (None: the
+      proposal is deterministic, so q is one-hot; such drafters set ``one_hot = True``).
+    - ``reset`` before every new batch of prompts; ``observe`` after every commit so the
+      drafter can roll its own state back.
+    - ``available``: how many drafts each row would really get (the planner asks before
+      paying for a proposal); ``features``: cheap facts about the next step that a
+      context-conditioned policy may read (past only).
+    - ``prepare_graphs`` / ``capture_s`` / ``catching_up``: drafting through static buffers
+      (CUDA graphs on a GPU), its capture time, and whether the last proposal ran a long eager
+      catch-up window (a step whose time says nothing of the width's cost).
+
+    ``build(ctx, name, **options)`` makes one from a config entry (``_target_:
+    flashspec.drafters.<Class>.build``); subclasses that need the target override it.
     """
 
     name: str = "drafter"
-    uses_hidden: bool = False
-    one_hot: bool = False       # True: propose() never returns draft logits (deterministic q)
+    one_hot: bool = False
+
+    @classmethod
+    def build(cls, ctx: DraftContext, name: str, **options: Any) -> "Drafter":
+        return cls(name=name, **options)
 
     def reset(self, batch: int, capacity: int) -> None:
         """Prepare for a new batch of ``batch`` rows with room for ``capacity`` positions."""
 
+    @abstractmethod
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """Drafts [B, γ'] and the logits they were sampled from (None when one-hot)."""
 
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         """Rows advanced by n_accepted[b] + 1 tokens (already in ``state``)."""
 
+    def available(self, state: DecodeState, gamma: int) -> list[int]:
+        """Drafts each row would get at this γ (0 for finished rows)."""
+        return [0 if done else gamma for done in state.finished]
+
     def features(self, state: DecodeState) -> dict[str, object]:
         """Cheap facts about the next step a context-conditioned bandit may read (past only)."""
         return {}
+
+    def prepare_graphs(self, batch: int, gamma: int, params: SamplingParams,
+                       device: torch.device, capture: bool) -> None:
+        """Set drafting up for static buffers (``capture``: CUDA graphs); default: eager."""
+
+    @property
+    def capture_s(self) -> float:
+        """Seconds spent capturing drafting graphs so far."""
+        return 0.0
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether the last proposal ran a long eager window (e.g. a new prompt)."""
+        return False
 
 
 class GraphedDrafting:
@@ -88,7 +136,7 @@ class GraphedDrafting:
     """
 
     graphs: GraphCache | None = None
-    catching_up: bool = False   # the last proposal ran a long eager window (e.g. a new prompt)
+    _catching_up: bool = False
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,
@@ -96,16 +144,22 @@ class GraphedDrafting:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def use_graphs(self, capture: bool) -> None:
-        """Draft through static buffers from now on (CUDA graphs when ``capture``)."""
-        if self.graphs is None or self.graphs.capture != capture:
-            self.graphs = GraphCache(self._replayed, capture)
+    @property
+    def catching_up(self) -> bool:
+        return self._catching_up
+
+    @property
+    def capture_s(self) -> float:
+        return self.graphs.capture_s if self.graphs is not None else 0.0
 
     def prepare_graphs(self, batch: int, gamma: int, params: SamplingParams,
-                       device: torch.device) -> None:
-        """Capture every (γ' <= γ, window <= γ' + 1) drafting shape up front (the cold start).
-        Dummy windows write drafter cache slots that a prompt rewrites before they are read."""
-        if self.graphs is None or not self.graphs.capture:
+                       device: torch.device, capture: bool) -> None:
+        """Draft through static buffers from now on (CUDA graphs when ``capture``), capturing
+        every (γ' <= γ, window <= γ' + 1) drafting shape up front (the cold start). Dummy
+        windows write drafter cache slots that a prompt rewrites before they are read."""
+        if self.graphs is None or self.graphs.capture != capture:
+            self.graphs = GraphCache(self._replayed, capture)
+        if not capture:
             return
         for g in range(1, gamma + 1):
             for w in range(1, g + 2):
@@ -128,7 +182,7 @@ class GraphedDrafting:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts and their logits from the window of ``width`` tokens at ``starts``."""
         dev = state.device
-        self.catching_up = width > gamma + 1
+        self._catching_up = width > gamma + 1
         tokens, positions = state.window(starts, width)
         last_idx = torch.tensor([n - 1 - s for n, s in zip(state.lengths, starts)], device=dev)
         last_pos = torch.tensor(state.lengths, device=dev)

@@ -16,14 +16,16 @@ ever repeated, even when another arm ran the previous steps.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting
+from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
 from flashspec.errors import FlashSpecError
+from flashspec.heads import FullHeadChoice, HeadChoice, LowRankHead
+from flashspec.models.loading import resolve_dtype
+from flashspec.paths import repo_path
 from flashspec.models.llama import Block, KVCache, Linear, LlamaLM, LlamaShape, RMSNorm
 from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
@@ -125,8 +127,6 @@ class CastHead(nn.Module):
 class EagleDrafter(GraphedDrafting, Drafter):
     """Drafts γ tokens per row from the target's features with an :class:`EagleModule`."""
 
-    uses_hidden = True
-
     def __init__(self, target: LlamaLM, module: EagleModule, head: nn.Module | None = None,
                  name: str = "eagle") -> None:
         if module.shape.hidden_size != target.shape.hidden_size:
@@ -171,7 +171,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         """Predicted features of a window; ``span`` None attends the whole cache."""
         span = self.cache.capacity if span is None else span
         embeds = self.target.embed_tokens(tokens)
-        if getattr(self.target, "fused", False):   # the target's fused decode layers are on
+        if self.target.fused:   # the target's fused decode layers are on
             from flashspec.models.fused import usable
             if usable(embeds, positions, self.cache):
                 return self.module(feats, embeds, None, positions, None, self.cache, span,
@@ -221,32 +221,22 @@ class EagleDrafter(GraphedDrafting, Drafter):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], target: LlamaLM,
-                  cfg_head: Mapping[str, Any] | None = None) -> "EagleDrafter":
-        """From a drafter config entry: ``{kind: eagle, checkpoint: path, name: ...,
-        head_dtype: null | bfloat16}`` (head_dtype: a copy of the full head in that dtype)."""
+    def build(cls, ctx: DraftContext, name: str, checkpoint: str,
+              head: HeadChoice = FullHeadChoice(), head_dtype: str | None = None) -> "EagleDrafter":
+        """From a checkpoint of ``experiment=train_drafter``. A low-rank head trained with the
+        module (stored in the checkpoint) serves ``head=lowrank`` at its rank; ``head=full`` is
+        the target's own head, kept in ``head_dtype`` when given (a bf16 copy halves the bytes
+        per call on a CPU)."""
         from flashspec.training.checkpoint import load_eagle
-        if not spec.get("checkpoint"):
-            raise FlashSpecError(f"eagle drafter {spec.get('name')!r} needs `checkpoint:` (a file "
-                                 "from `python run.py experiment=train_drafter`)")
-        module, head, _ = load_eagle(_repo_path(spec["checkpoint"]), target)
-        if head is None and cfg_head and (cfg_head.get("kind") or "full") != "full":
-            from flashspec.heads import build_head
-            head = build_head(cfg_head, target.lm_head_weight, target.shape.hidden_size)
-        if head is None and spec.get("head_dtype"):
-            from flashspec.models.loading import resolve_dtype
-            head = CastHead(target.lm_head_weight, resolve_dtype(spec["head_dtype"]))
-        if getattr(target, "fused", False):
+        target = ctx.target
+        module, trained_head, _ = load_eagle(repo_path(checkpoint), target)
+        trained = {trained_head.rank: trained_head} if isinstance(trained_head, LowRankHead) else {}
+        chosen = head.build(target.lm_head_weight, trained, drafter=name)
+        if chosen is None and head_dtype:
+            chosen = CastHead(target.lm_head_weight, resolve_dtype(head_dtype))
+        if target.fused:
             module.fuse()
-        return cls(target, module, head, name=spec.get("name") or "eagle")
-
-
-def _repo_path(value: Any) -> Path:
-    """A path as given when it exists (or is absolute), else relative to the repository."""
-    path = Path(str(value)).expanduser()
-    if path.is_absolute() or path.exists():
-        return path
-    return Path(__file__).resolve().parents[2] / path
+        return cls(target, module, chosen, name=name)
 
 
 def config_dict(config: EagleConfig) -> dict[str, Any]:

@@ -1,11 +1,18 @@
 """Drafters that run a native LM: a separate small model, or a layer subset of the target."""
 from __future__ import annotations
 
+from typing import Mapping, Sequence
+
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, Drafter, GraphedDrafting
+from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
+from flashspec.errors import FlashSpecError
+from flashspec.heads import FullHeadChoice, HeadChoice, load_head
+from flashspec.models import load_model
 from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.models.loading import source_config
+from flashspec.paths import repo_path
 from flashspec.verify.sampling import SamplingParams, sample
 
 
@@ -23,6 +30,37 @@ class ModelDrafter(GraphedDrafting, Drafter):
         self.head = head if head is not None else model.lm_head
         self.cache: KVCache | None = None
         self.filled: list[int] = []
+
+    @classmethod
+    def layerskip(cls, ctx: DraftContext, name: str, first: int | None = None,
+                  skip: Sequence[int] | None = None, layers: Sequence[int] | None = None,
+                  head: HeadChoice = FullHeadChoice(),
+                  trained_heads: Mapping[int, str] | None = None) -> "ModelDrafter":
+        """Self-draft with the target's own layers: ``layers: [..]`` explicit, ``first: k``, or
+        ``skip: [lo, hi)``. ``trained_heads`` maps a rank to a distilled head file of this drafter."""
+        chosen = layer_set(name, ctx.target.shape.num_layers, first, skip, layers)
+        trained = {int(r): load_head(repo_path(p))[0] for r, p in (trained_heads or {}).items()}
+        return cls(ctx.target, chosen, head=head.build(ctx.target.lm_head_weight, trained, name), name=name)
+
+    @classmethod
+    def separate(cls, ctx: DraftContext, name: str, source: str, dtype: str | None = None,
+                 quantization: str | None = None, head: HeadChoice = FullHeadChoice()
+                 ) -> "ModelDrafter":
+        """A separate (small) LM of the target's family: ``source`` as for the target."""
+        config = source_config(source)
+        vocab = ctx.target.shape.vocab_size
+        if config is not None and config.vocab_size != vocab:
+            raise FlashSpecError(f"drafter {name!r} has a different vocabulary than the target "
+                                 f"({config.vocab_size} vs {vocab} ids); pick a drafter of the "
+                                 "same model family")
+        model, tok = load_model(source, dtype=dtype or ctx.dtype, device=ctx.device,
+                                quantization=quantization)
+        if vocab != model.shape.vocab_size or (ctx.tokenizer is not None
+                                               and ctx.tokenizer.get_vocab() != tok.get_vocab()):
+            raise FlashSpecError(f"drafter {name!r} has a different vocabulary/tokenizer than the "
+                                 f"target ({model.shape.vocab_size} vs {vocab} ids); pick a drafter "
+                                 "of the same model family")
+        return cls(model, None, head=head.build(model.lm_head_weight, None, name), name=name)
 
     def reset(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
@@ -68,3 +106,21 @@ class ModelDrafter(GraphedDrafting, Drafter):
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         # positions up to the last accepted draft are valid; the correction token is not fed yet
         self.filled = [min(f, n - 1) for f, n in zip(self.filled, state.lengths)]
+
+
+def layer_set(name: str, n_layers: int, first: int | None = None, skip: Sequence[int] | None = None,
+              layers: Sequence[int] | None = None) -> list[int]:
+    """Layers of a self-drafter: ``layers`` explicit, the ``first`` k, or all but ``skip`` [lo, hi)."""
+    if layers is not None:
+        chosen = [int(i) for i in layers]
+    elif first is not None:
+        chosen = list(range(int(first)))
+    elif skip is not None:
+        lo, hi = (int(x) for x in skip)
+        chosen = [i for i in range(n_layers) if not lo <= i < hi]
+    else:
+        raise FlashSpecError(f"layerskip drafter {name!r} needs `layers`, `first` or `skip`")
+    if not chosen or any(not 0 <= i < n_layers for i in chosen):
+        raise FlashSpecError(f"layerskip drafter {name!r}: layers must be a non-empty subset of "
+                             f"0..{n_layers - 1}, got {chosen}")
+    return chosen

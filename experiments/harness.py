@@ -1,0 +1,178 @@
+"""What every runner shares: library objects from the composed config (through
+``hydra.utils.instantiate``), the checks made before any model loads, and the run directory
+(records, provenance, the logger).
+
+The library never reads a config: each config group that makes an object carries ``_target_``
+and this module instantiates it. Groups that need run-time arguments are partials:
+``bandit`` (called with n_arms, seed) and each drafter entry (called with a
+:class:`~flashspec.drafters.DraftContext` and its name).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from flashspec.bandits import Policy
+from flashspec.data import PromptSet
+from flashspec.drafters import DraftContext, Drafter
+from flashspec.engine import Arm
+from flashspec.errors import FlashSpecError
+from flashspec.hardware import Hardware
+from flashspec.planner import WidthPlanner
+from flashspec.records import NullLogger, RecordWriter, provenance
+
+log = logging.getLogger("flashspec")
+
+
+def build(node: Any, **kwargs: Any) -> Any:
+    """``instantiate(node, **kwargs)``; a FlashSpecError raised inside comes out as itself (one
+    line for the user), not wrapped in Hydra's InstantiationException."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, FlashSpecError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+# ----------------------------------------------------------------------------- objects
+def hardware(cfg: DictConfig) -> Hardware:
+    return build(cfg.hardware)
+
+
+def prompt_set(cfg: DictConfig) -> PromptSet:
+    return build(cfg.dataset)
+
+
+def load_target(cfg: DictConfig):
+    """(model, tokenizer) of the target; ``hardware.fused_layers`` swaps the fused decode layers in."""
+    model, tokenizer = build(cfg.target)
+    if hardware(cfg).fused_layers:
+        model.fuse()
+    return model, tokenizer
+
+
+def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
+    hw = hardware(cfg)
+    return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype)
+
+
+def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
+    """Every drafter of the set, by name (each entry is a partial called with ctx and name)."""
+    out: dict[str, Drafter] = {}
+    for name, entry in (cfg_drafters.get("drafters") or {}).items():
+        out[name] = build(entry, _partial_=True)(ctx=ctx, name=name)
+    return out
+
+
+def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(drafter name, γ) per arm: the explicit ``arms`` list, or every drafter × every γ."""
+    pairs = cfg_drafters.get("arms")
+    if pairs is None:
+        pairs = [(name, g) for name in (cfg_drafters.get("drafters") or {})
+                 for g in cfg_drafters.get("gammas", [4])]
+    return [(str(name), int(gamma)) for name, gamma in pairs]
+
+
+def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
+    """Arms (drafter, γ); the name ``ar`` is the arm without speculation (a target-only step)."""
+    arms = []
+    for name, gamma in arm_pairs(cfg_drafters):
+        if name == "ar":
+            arms.append(Arm(None, 0))
+            continue
+        if name not in drafters:
+            raise FlashSpecError(f"drafters.arms names drafter {name!r}, not in the drafter set "
+                                 f"{list(drafters)}")
+        if gamma <= 0:
+            raise FlashSpecError(f"gamma must be a positive int, got {gamma} for drafter {name!r}")
+        arms.append(Arm(drafters[name], gamma))
+    return arms
+
+
+def make_policy(cfg_bandit: DictConfig, n_arms: int, seed: int) -> Policy:
+    return build(cfg_bandit)(n_arms=n_arms, seed=seed)
+
+
+def make_planner(cfg: DictConfig) -> WidthPlanner | None:
+    """The width planner, or None for ``planner=none`` (an empty group)."""
+    node = cfg.get("planner")
+    return build(node) if node and "_target_" in node else None
+
+
+def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
+    """SpecEngine keyword arguments shared by every method of a run."""
+    hw = hardware(cfg)
+    return dict(params=params, backend=hw.verify_backend, seed=int(cfg.seed), eos_ids=eos,
+                graphs=hw.cuda_graphs, compile=hw.compile_step)
+
+
+# ----------------------------------------------------------------------------- checks
+def head_axis_used(cfg_drafters: DictConfig) -> bool:
+    """Whether some drafter of the set takes the run's ``head`` choice (``head: ${head}``)."""
+    for entry in (cfg_drafters.get("drafters") or {}).values():
+        if "head" in entry and OmegaConf.is_interpolation(entry, "head"):
+            return True
+    return False
+
+
+def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
+    """Checks made at composition, before any model loads: every cheap object is built once
+    (contradictions inside a group fail there), and settings a chosen component would ignore
+    are refused. ``overrides`` are the command line's (``head=...``, ``head.rank=...``)."""
+    hardware(cfg)
+    if "dataset" in cfg:
+        prompt_set(cfg)
+    if "head" in cfg:
+        build(cfg.head)
+        head_keys = [o for o in overrides if o.lstrip("+~").split("=")[0].split("@")[0] == "head"
+                     or o.lstrip("+~").startswith("head.")]
+        if head_keys and "drafters" in cfg and not head_axis_used(cfg.drafters):
+            names = ", ".join(cfg.drafters.get("drafters") or {}) or "none"
+            raise FlashSpecError(f"{' '.join(head_keys)} has no effect: no drafter of this "
+                                 f"drafter set ({names}) takes the head choice (drafter entries "
+                                 "with `head: ${head}` do); pick drafters=default or drop it")
+    if "bandit" in cfg and "drafters" in cfg:
+        make_policy(cfg.bandit, max(1, len(arm_pairs(cfg.drafters))), int(cfg.seed))
+    make_planner(cfg)
+
+
+# ----------------------------------------------------------------------------- the run directory
+class RunDir:
+    """One run's directory: a record writer, the provenance every record carries, and the
+    logger (a W&B run, or the do-nothing logger)."""
+
+    def __init__(self, cfg: DictConfig, records: str, name: str | None = None) -> None:
+        self.path = Path(cfg.output_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.writer = RecordWriter(self.path / records)
+        self.provenance = provenance(self.config, int(cfg.seed))
+        self.logger = build(cfg.logger, _partial_=True)(config=self.config, name=name,
+                                                        dir=str(self.path)) \
+            if "logger" in cfg else NullLogger()
+
+    def done_keys(self, *fields: str) -> set[tuple]:
+        return self.writer.done_keys(*fields)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.writer.write({**record, "provenance": self.provenance})
+
+
+@contextmanager
+def run_dir(cfg: DictConfig, records: str, name: str | None = None) -> Iterator[RunDir]:
+    """A :class:`RunDir` whose logger is finished however the run ends."""
+    run = RunDir(cfg, records, name)
+    try:
+        yield run
+    finally:
+        run.logger.finish()
