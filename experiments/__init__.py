@@ -32,5 +32,6 @@ def run_experiment(cfg: "DictConfig") -> dict:
             raise
         return module.run(cfg)
     except FlashSpecError as e:
-        log.error("error: %s", e)
+        log.error("error: %s", e)   # into the job's run.log
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

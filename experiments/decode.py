@@ -24,6 +24,7 @@ from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import (bandit_vs_fixed, format_bandit_vs_fixed, format_table, percentile,
                                rates, summarize)
+from flashspec.seeds import derive_seed
 from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,13 @@ class Method:
     """A named way to decode a batch: ``run(prompt_ids, max_new) -> list[dict]`` of row stats."""
 
     name: str
-    run: Callable[[list[list[int]], int, str | None], list[dict[str, Any]]]
+    run: Callable[[list[list[int]], int, str | None, int | None], list[dict[str, Any]]]
 
 
 def engine_method(name: str, engine: SpecEngine) -> Method:
-    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
-        res = engine.generate(prompts, max_new, domain=domain)
+    def run(prompts: list[list[int]], max_new: int, domain: str | None,
+            seed: int | None = None) -> list[dict[str, Any]]:
+        res = engine.generate(prompts, max_new, domain=domain, seed=seed)
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
@@ -59,7 +61,10 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
     ``extra`` goes to ``generate``: ``cache_implementation="static"`` makes transformers compile
     the decoding step (torch.compile, CUDA graphs) on a GPU: the ``hf_compiled`` baseline.
     """
-    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
+    def run(prompts: list[list[int]], max_new: int, domain: str | None,
+            seed: int | None = None) -> list[dict[str, Any]]:
+        if seed is not None:
+            torch.manual_seed(seed)
         out = []
         for p in prompts:
             ids = torch.tensor([p], device=hf_model.device)
@@ -227,7 +232,8 @@ def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer,
     for turn in range(max(len(p.turns) for p in batch)):
         rows = [p for p in batch if len(p.turns) > turn]
         ids = [prompt_turn_ids(tokenizer, p, answers[p.id]) for p in rows]
-        stats = method.run(ids, max_new, rows[0].domain)
+        seed = derive_seed(run.seed, (method.name, tuple(p.id for p in rows), turn))
+        stats = method.run(ids, max_new, rows[0].domain, seed)
         for p, prompt_ids, st in zip(rows, ids, stats):
             text = tokenizer.decode(st["tokens"], skip_special_tokens=True)
             answers[p.id].append(text)

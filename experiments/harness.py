@@ -153,6 +153,7 @@ class RunDir:
 
     def __init__(self, cfg: DictConfig, records: str, name: str | None = None) -> None:
         self.path = Path(cfg.output_dir)
+        self.seed = int(cfg.seed)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.writer = RecordWriter(self.path / records)

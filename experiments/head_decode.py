@@ -172,10 +172,11 @@ def _sync(x: torch.Tensor) -> None:
 
 def timed_method(m: Method, clock: TimedHead) -> Method:
     """``m`` whose rows also carry the head seconds and calls of that decode call."""
-    def run(prompts: list[list[int]], max_new: int, domain: str | None) -> list[dict[str, Any]]:
+    def run(prompts: list[list[int]], max_new: int, domain: str | None,
+            seed: int | None = None) -> list[dict[str, Any]]:
         clock.seconds, clock.calls, clock.on = 0.0, 0, True
         try:
-            rows = m.run(prompts, max_new, domain)
+            rows = m.run(prompts, max_new, domain, seed)
         finally:
             clock.on = False
         return [{**r, "head_s": clock.seconds, "head_calls": clock.calls} for r in rows]

@@ -250,8 +250,15 @@ class SpecEngine:
     # ----------------------------------------------------------------- the loop
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 domain: str | None = None) -> BatchResult:
-        """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence."""
+                 domain: str | None = None, seed: int | None = None) -> BatchResult:
+        """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence.
+
+        ``seed`` restarts the random streams (drafter sampling and verify) for this call, so
+        its tokens do not depend on what the engine decoded before (a resumed run equals an
+        uninterrupted one); None continues the engine's streams."""
+        if seed is not None:
+            self.seed, self.calls = int(seed), 0
+            self.generator.manual_seed(int(seed))
         if max_new_tokens < 1:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0, capture0 = time.perf_counter(), self.capture_s

@@ -4,7 +4,8 @@ import math
 import pytest
 
 from experiments.head_decode import _step_seconds, head_rows, loop_stats, phase_seconds
-from flashspec.bandits.stream_plot import arm_names, stream
+from experiments.harness import arm_pairs
+from flashspec.bandits.stream_plot import stream
 from flashspec.theory import rho_tps
 
 
@@ -71,11 +72,11 @@ def test_step_seconds_is_a_ratio_of_sums():
     assert _step_seconds(recs, "m") == {"d": 0.2}
 
 
-def test_arm_names_follow_the_engine_order():
-    explicit = {"drafters": [{"name": "a"}, {"name": "b"}], "arms": [["b", 2], ["a", 3]]}
-    assert arm_names(explicit) == ["b@2", "a@3"]
-    product = {"drafters": [{"name": "a"}, {"name": "b"}], "gammas": [2, 4], "arms": None}
-    assert arm_names(product) == ["a@2", "a@4", "b@2", "b@4"]
+def test_arm_pairs_follow_the_engine_order():
+    explicit = {"drafters": {"a": {}, "b": {}}, "arms": [["b", 2], ["a", 3]]}
+    assert arm_pairs(explicit) == [("b", 2), ("a", 3)]
+    product = {"drafters": {"a": {}, "b": {}}, "gammas": [2, 4], "arms": None}
+    assert arm_pairs(product) == [("a", 2), ("a", 4), ("b", 2), ("b", 4)]
 
 
 def test_stream_concatenates_steps_of_one_method():

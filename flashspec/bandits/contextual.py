@@ -1,7 +1,6 @@
 """Context-conditioned selection: one independent inner policy per context value (domain)."""
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -9,12 +8,7 @@ import numpy as np
 from flashspec.bandits.base import Context, Policy
 from flashspec.bandits.thompson import ThompsonSampling
 from flashspec.errors import FlashSpecError
-
-
-def derive_seed(seed: int, key: object) -> int:
-    """Stable per-context seed (independent of Python's randomised ``hash``)."""
-    tag = zlib.crc32(repr(key).encode())
-    return int(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag]).generate_state(1)[0])
+from flashspec.seeds import derive_seed
 
 
 class PerDomain(Policy):

@@ -7,12 +7,6 @@ from typing import Any, Iterable, Mapping, Sequence
 DOMAIN_COLORS = {"code": "#1f77b4", "math": "#2ca02c", "chat": "#d62728"}
 
 
-def arm_names(cfg_drafters: Mapping[str, Any]) -> list[str]:
-    """Arm names ``drafter@gamma`` in the engine's order (see :func:`flashspec.build.arm_pairs`)."""
-    from flashspec.build import arm_pairs
-    return [f"{name}@{int(gamma)}" for name, gamma in arm_pairs(cfg_drafters)]
-
-
 def stream(records: Iterable[Mapping[str, Any]], method: str) -> dict[str, list]:
     """Steps of one method in record order: reward, arm index and the prompt's domain per step."""
     out: dict[str, list] = {"reward": [], "arm": [], "domain": []}

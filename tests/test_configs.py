@@ -1,0 +1,115 @@
+"""Every config composes and builds its objects before any model loads; contradictions and
+settings that a chosen component would ignore fail at composition with both keys named."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+from experiments.harness import arm_pairs, build, make_planner, make_policy, validate
+from flashspec.bandits import Policy
+from flashspec.errors import FlashSpecError
+from flashspec.heads import FullHeadChoice, LowRankChoice, TruncatedChoice
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ["target", "drafters", "head", "bandit", "planner", "dataset", "hardware", "logger",
+          "experiment"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)   # what a running app does: ${hydra:...} resolves
+    with open_dict(cfg):
+        cfg.output_dir = "/tmp/unused"
+    return cfg
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_config_option_composes_and_validates(group, option):
+    """The glob(*) check over every file of every group: composes with the defaults, every
+    cheap object builds (hardware needing CUDA and the simulation-only oracle are refused)."""
+    cfg = composed(f"{group}={option}")
+    OmegaConf.to_container(cfg.drafters, resolve=True)
+    if group == "hardware" and cfg.hardware.device.startswith("cuda"):
+        with pytest.raises(FlashSpecError, match=f"hardware={option} needs CUDA.*hardware=cpu"):
+            validate(cfg)
+        return
+    if group == "bandit" and option == "oracle":   # simulation only: refused for decoding
+        with pytest.raises(FlashSpecError, match="oracle needs the true arm means"):
+            validate(cfg)
+        return
+    validate(cfg)
+
+
+def test_every_bandit_builds_a_policy_over_the_arms():
+    for option in options("bandit"):
+        cfg = composed(f"bandit={option}")
+        kwargs = {"means": [0.1, 0.2, 0.3]} if option == "oracle" else {}
+        policy = build(cfg.bandit)(n_arms=3, seed=0, **kwargs)
+        assert isinstance(policy, Policy) and policy.n_arms == 3
+        assert 0 <= policy.select({"step": 0, "domain": "code", "ngram_hit": True}) < 3
+
+
+def test_head_choices_and_planner():
+    assert isinstance(build(composed("head=full").head), FullHeadChoice)
+    low = build(composed("head=lowrank", "head.rank=d/16").head)
+    assert isinstance(low, LowRankChoice) and low.rank == "d/16"
+    assert isinstance(build(composed("head=truncated").head), TruncatedChoice)
+    assert make_planner(composed("planner=none")) is None
+    assert make_planner(composed("planner=goodput", "planner.objective=total")).objective == "total"
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["head=full", "head.rank=d/8"], ["head=full", "head.rank=d/8"]),
+    (["head=truncated", "head.rank=d/8"], ["head=truncated", "head.rank=d/8", "head.keep"]),
+    (["head.rank=abc"], ["head.rank", "abc"]),
+    (["head.rank=d/0"], ["head.rank", "d/0"]),
+    (["head.init=magic"], ["head.init", "magic"]),
+    (["dataset.n_prompts=0"], ["dataset.n_prompts"]),
+    (["dataset.max_new_tokens=-1"], ["dataset.max_new_tokens"]),
+    (["bandit=ucb1", "bandit.reward=speed"], ["bandit.reward", "speed"]),
+    (["bandit.arm=3"], ["arm=3"]),
+    (["planner=goodput", "planner.objective=fastest"], ["objective"]),
+])
+def test_contradictions_fail_at_composition(overrides, needles):
+    cfg = composed(*overrides)
+    with pytest.raises(FlashSpecError) as err:
+        validate(cfg, overrides)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_head_setting_no_drafter_takes_is_refused():
+    """drafters=ngram has no model drafter: a head override would be a silent no-op."""
+    overrides = ["drafters=ngram", "head.rank=d/16"]
+    with pytest.raises(FlashSpecError, match=r"head.rank=d/16 has no effect.*ngram"):
+        validate(composed(*overrides), overrides)
+    validate(composed("drafters=ngram"), ["drafters=ngram"])           # the default head is fine
+    validate(composed("head.rank=d/16"), ["head.rank=d/16"])           # the default drafter takes it
+
+
+def test_arm_pairs_and_a_policy_over_them():
+    cfg = composed("drafters=mixed_eagle_ngram_skip", "bandit=rate_tps")
+    pairs = arm_pairs(cfg.drafters)
+    assert pairs == [("ngram", 3), ("eagle_lr72", 3), ("skip10", 2)]
+    policy = make_policy(cfg.bandit, len(pairs), 0)
+    assert policy.label == "contextual[ngram_hit](rate_thompson)/tps"
+    assert policy.context_keys == ("ngram_hit",)
+
+
+def test_experiment_preset_overrides_several_groups():
+    cfg = composed("experiment=mixed_stream")
+    assert cfg.dataset.name == "mixed" and cfg.dataset.n_prompts == 24
+    assert list(cfg.drafters.drafters) == ["ngram", "eagle_lr72", "skip10"]
+    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ucb1_tps"}
+    assert cfg.experiment.name == "decode"
+    # a command-line choice still wins over the preset's
+    assert composed("experiment=mixed_stream", "dataset=gsm8k").dataset.name == "gsm8k"
