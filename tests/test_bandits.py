@@ -9,9 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from flashspec.bandits import POLICIES, from_config, make_policy, reward
+import flashspec.bandits as bandits
+from flashspec.bandits import (EXP3, UCB1, DiscountedThompson, EpsilonGreedy, FixedArm, Oracle,
+                               PerDomain, Policy, RateThompson, SlidingWindowUCB, ThompsonSampling,
+                               reward)
 from flashspec.bandits.sim import draw_rewards, env_seeds, make_scenario, simulate
 from flashspec.errors import FlashSpecError
 from flashspec.theory import bernoulli_kl, lai_robbins_bound, ucb1_regret_bound
@@ -20,11 +24,16 @@ ROOT = Path(__file__).resolve().parents[1]
 EASY = [0.2, 0.8, 0.5]  # best arm 1
 STOCHASTIC = ["eps_greedy", "ucb1", "thompson", "sw_ucb", "d_thompson", "exp3", "contextual",
               "rate_thompson"]
+# Every policy class by its name (= the stem of the conf/bandit/<name>.yaml that builds it);
+# tests build them with the class defaults.
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
+    FixedArm, EpsilonGreedy, UCB1, ThompsonSampling, SlidingWindowUCB, DiscountedThompson,
+    EXP3, Oracle, PerDomain, RateThompson)}
 
 
 def _policy(name: str, n_arms: int, seeds, horizon: int, means=None):
     kw = {"fixed": {"arm": 1}, "oracle": {"means": means}, "exp3": {"horizon": horizon}}.get(name, {})
-    return make_policy(name, n_arms, seeds, **kw)
+    return POLICIES[name](n_arms, seeds, **kw)
 
 
 def _run(name: str, means, horizon: int, n_seeds: int = 8, change_fractions=(), seed: int = 0):
@@ -84,7 +93,7 @@ def test_oracle_and_fixed_regret_exact():
     assert np.all(res.regret == 0)
     res, _ = _run("fixed", EASY, 1000)  # arm 1 is the best arm
     assert np.all(res.regret == 0)
-    fixed0 = simulate(make_policy("fixed", 3, [0, 1]), scn := make_scenario("t", 1000, EASY),
+    fixed0 = simulate(FixedArm(3, [0, 1]), scn := make_scenario("t", 1000, EASY),
                       draw_rewards(scn, [0, 1]))
     assert np.allclose(fixed0.regret[:, -1], 0.6 * 1000)
 
@@ -92,12 +101,12 @@ def test_oracle_and_fixed_regret_exact():
 def test_contextual_learns_each_domain():
     scn = make_scenario("d", 3000, {"code": [0.8, 0.3], "chat": [0.3, 0.8]}, seed=1)
     rewards = draw_rewards(scn, range(6))
-    ctx = simulate(make_policy("contextual", 2, list(range(6))), scn, rewards)
-    flat = simulate(make_policy("thompson", 2, list(range(6))), scn, rewards)
+    ctx = simulate(PerDomain(2, list(range(6))), scn, rewards)
+    flat = simulate(ThompsonSampling(2, list(range(6))), scn, rewards)
     assert ctx.regret[:, -1].mean() < 0.25 * flat.regret[:, -1].mean()
     best = np.array([0 if d == "code" else 1 for d in scn.domains])
     assert (ctx.arms[:, -1000:] == best[-1000:]).mean() > 0.9
-    pol = make_policy("contextual", 2, 0)
+    pol = PerDomain(2, 0)
     pol.update(pol.select({"domain": "code"}), 1.0)
     assert set(pol.per_domain) == {"code"}
 
@@ -106,7 +115,7 @@ def test_rate_thompson_estimates_pooled_rate_not_the_mean_of_step_rates():
     """Arm 0 alternates a cheap lucky step (100 tok/s for 10 ms) and a slow one (10 tok/s for
     1 s): its mean step rate is 55 but it makes 11 tokens in 1.01 s. Arm 1 always makes 30 tok/s."""
     steps = {0: [(100.0, 0.01), (10.0, 1.0)], 1: [(30.0, 0.1), (30.0, 0.1)]}
-    rate, mean = make_policy("rate_thompson", 2, 0), make_policy("ucb1", 2, 0, reward_scale=100.0)
+    rate, mean = RateThompson(2, 0), UCB1(2, 0, reward_scale=100.0)
     for _ in range(20):
         for arm, pairs in steps.items():
             for r, c in pairs:
@@ -116,18 +125,18 @@ def test_rate_thompson_estimates_pooled_rate_not_the_mean_of_step_rates():
     assert mean.values == pytest.approx([55.0, 30.0])
     assert [rate.select() for _ in range(50)].count(1) == 50     # arm 1's sd is 0
     with pytest.raises(FlashSpecError, match="min_pulls"):
-        make_policy("rate_thompson", 2, 0, min_pulls=1)
+        RateThompson(2, 0, min_pulls=1)
 
 
 def test_full_information_update():
-    pol = make_policy("ucb1", 3, 0)
+    pol = UCB1(3, 0)
     for _ in range(5):
         pol.select()
         pol.update_all([1.0, None, 0.0])
     assert pol.t == 5 and pol.counts.tolist() == [5, 0, 5]
     assert pol.values.tolist() == [1.0, 0.0, 0.0]
     # full information lets Thompson settle on the best arm almost at once
-    ts = make_policy("thompson", 3, 0)
+    ts = ThompsonSampling(3, 0)
     rng = np.random.default_rng(0)
     for _ in range(300):
         ts.select()
@@ -136,7 +145,7 @@ def test_full_information_update():
 
 
 def test_counts_values_costs_for_logging():
-    pol = make_policy("eps_greedy", 2, 0)
+    pol = EpsilonGreedy(2, 0)
     pol.update(0, 0.5, cost=2.0)
     pol.update(0, 1.0, cost=4.0)
     pol.update(1, 0.25)
@@ -148,35 +157,49 @@ def test_counts_values_costs_for_logging():
     with pytest.raises(FlashSpecError):
         pol.update(0, 1.0, cost=0.0)
     with pytest.raises(FlashSpecError):
-        make_policy("ucb1", 2, [0, 1]).select()
+        UCB1(2, [0, 1]).select()
 
 
-def test_factory_errors_are_clear():
-    with pytest.raises(FlashSpecError, match="unknown bandit policy 'nope'.*ucb1"):
-        make_policy("nope", 3)
-    with pytest.raises(FlashSpecError, match="does not take window"):
-        make_policy("ucb1", 3, window=10)
-    with pytest.raises(FlashSpecError, match="no 'name'"):
-        from_config({"c": 1.0}, 3)
+def test_policy_table_covers_every_policy_and_its_config():
+    """POLICIES above holds every exported policy class, and conf/bandit/<name>.yaml builds it."""
+    exported = {getattr(bandits, n) for n in bandits.__all__}
+    classes = {c for c in exported if isinstance(c, type) and issubclass(c, Policy) and c is not Policy}
+    assert set(POLICIES.values()) == classes
+    for name, cls in POLICIES.items():
+        make = instantiate(OmegaConf.load(ROOT / "conf" / "bandit" / f"{name}.yaml"))
+        assert make.func is cls, name
+
+
+def test_constructor_errors_are_clear():
+    with pytest.raises(TypeError, match="window"):
+        UCB1(3, window=10)
     with pytest.raises(FlashSpecError, match="bandit.reward"):
-        from_config({"name": "ucb1", "reward": "speed"}, 3)
+        UCB1(3, reward="speed")
+    with pytest.raises(FlashSpecError, match="bandit.reward"):
+        instantiate(OmegaConf.load(ROOT / "conf" / "bandit" / "ucb1.yaml"), reward="speed")(3, 0)
+    with pytest.raises(FlashSpecError, match="reward_scale"):
+        UCB1(3, reward_scale=0.0)
     with pytest.raises(FlashSpecError, match="outside"):
-        make_policy("fixed", 3, arm=3)
+        FixedArm(3, arm=3)
     with pytest.raises(FlashSpecError, match="true arm means"):
-        make_policy("oracle", 3)
+        Oracle(3)
     with pytest.raises(FlashSpecError, match="inner"):
-        make_policy("contextual", 3, inner="contextual")
+        PerDomain(3, inner=PerDomain)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "conf" / "bandit").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_bandit_config_builds(path):
     cfg = OmegaConf.load(path)
+    assert cfg._target_.startswith("flashspec.bandits.") and cfg._partial_ is True
+    make = instantiate(cfg)   # a partial: the runner calls it with (n_arms, seed)
+    extra = {"means": [0.1, 0.2, 0.3]} if make.func is Oracle else {}
+    pol = make(3, 0, **extra)
+    assert isinstance(pol, Policy)
     # a choice is a policy (its file stem) or a named preset of one, e.g. ucb1_tps, ngram_hit_tps
-    assert cfg.name == path.stem or (path.stem.endswith("_" + cfg.reward) and cfg.reward != "alpha")
+    assert pol.name == path.stem or (path.stem.endswith("_" + cfg.reward) and cfg.reward != "alpha")
     assert cfg.full_info is False
-    extra = {"means": [0.1, 0.2, 0.3]} if cfg.name == "oracle" else {}
-    pol = from_config(cfg, 3, 0, **extra)
     assert pol.reward_kind == cfg.reward and pol.full_info is False
+    assert pol.reward_scale == cfg.get("reward_scale", 1.0)
     context = {"step": 0, "domain": "code", "ngram_hit": True}
     arm = pol.select(context)
     pol.update(arm, 0.5 * pol.reward_scale, 1.0, context)
@@ -221,7 +244,7 @@ def test_run_py_bandit_sim_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(line) for line in (out / "bandit_sim.jsonl").read_text().splitlines()]
     regret = [r for r in recs if r["kind"] == "regret"]
-    scenarios = OmegaConf.load(ROOT / "conf" / "experiment" / "bandit_sim.yaml").scenarios
+    scenarios = OmegaConf.load(ROOT / "conf" / "experiment" / "bandit_sim.yaml").experiment.scenarios
     assert {r["scenario"] for r in regret} == set(scenarios)
     for r in regret:
         fracs = scenarios[r["scenario"]].get("change_fractions")
@@ -267,7 +290,7 @@ def test_rate_thompson_does_not_lock_out_an_arm_after_two_zero_rewards():
     the other pays Bernoulli(0.5). The variance pooled over arms keeps the first arm's posterior
     open, so it is played again and wins; without the prior it is never played again."""
     def run(**kw):
-        pol = make_policy("rate_thompson", 2, 0, **kw)
+        pol = RateThompson(2, 0, **kw)
         for arm, r in ((0, 0.0), (0, 0.0), (1, 0.0), (1, 1.0)):
             pol.update(arm, r)
         rng, arms = np.random.default_rng(1), []

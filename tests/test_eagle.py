@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashspec.bandits import PerDomain, Policy, ThompsonSampling
 from flashspec.data import chat_ids, load_prompts, split_ids
+from flashspec.drafters import DraftContext
 from flashspec.drafters.eagle import EagleConfig, EagleDrafter, EagleModule
 from flashspec.drafters.ngram import NgramDrafter
 from flashspec.engine import Arm, SpecEngine
@@ -55,7 +57,7 @@ def drafter(smol) -> EagleDrafter:
     if not CKPT.exists():
         pytest.skip(f"no committed checkpoint at {CKPT}")
     model, _ = smol
-    return EagleDrafter.from_spec({"name": "eagle", "checkpoint": str(CKPT)}, model)
+    return EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(CKPT))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -93,15 +95,19 @@ def test_static_drafting_equals_eager_drafting(smol, prompts, reference, drafter
     drafter.graphs = None
 
 
-class Alternate:
+class Alternate(Policy):
     """Policy that switches arms every step: the eagle drafter misses every other target step."""
 
+    name = "alternate"
+    learns = False
+
     def __init__(self) -> None:
-        self.t = 0
+        super().__init__(2)
+        self.steps = 0
 
     def select(self, context=None) -> int:
-        self.t += 1
-        return self.t % 2
+        self.steps += 1
+        return self.steps % 2
 
     def update(self, *args, **kwargs) -> None:
         return None
@@ -220,9 +226,8 @@ def test_train_drafter_smoke(tmp_path):
 def test_greedy_equality_with_an_ngram_hit_contextual_bandit(smol, prompts, reference, drafter):
     """A policy conditioned on a drafter feature (ngram_hit, from committed tokens) keeps greedy
     output equal to the target's, and both contexts occur."""
-    from flashspec.bandits.contextual import PerDomain
     model, tok = smol
-    policy = PerDomain(2, seed=0, inner={"name": "thompson"}, key="ngram_hit")
+    policy = PerDomain(2, seed=0, inner=ThompsonSampling, key="ngram_hit")
     engine = SpecEngine(model, [Arm(NgramDrafter(), 3), Arm(drafter, 3)], policy,
                         eos_ids=[tok.eos_token_id])
     rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]

@@ -17,9 +17,10 @@ import torch
 from scipy import stats as sps
 
 from exactness.stats import exact_target_probs, gate, sample_reference
-from flashspec.bandits import make_policy
-from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.bandits import UCB1
+from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
+from flashspec.heads import LowRankChoice, LowRankHead
 from flashspec.models import load_model
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
@@ -64,8 +65,10 @@ def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float
 
 def arms_for(model, kind: str) -> list[Arm]:
     if kind == "eagle":  # the committed trained drafter (rank-72 head, full q) on these features
-        from flashspec.drafters.eagle import EagleDrafter
-        return [Arm(EagleDrafter.from_spec({"name": "eagle", "checkpoint": str(EAGLE)}, model), 2)]
+        eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE),
+                                   head=LowRankChoice(rank=72, init="trained"))
+        assert isinstance(eagle.head, LowRankHead) and eagle.head.rank == 72
+        return [Arm(eagle, 2)]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
     return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip],
@@ -84,7 +87,7 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     arms = arms_for(model, kind)
-    policy = make_policy("ucb1", len(arms), seed=0) if kind == "bandit" else None
+    policy = UCB1(len(arms), seed=0) if kind == "bandit" else None
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
                         graphs=kind.endswith("_static"))
     ar = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)

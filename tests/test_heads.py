@@ -12,10 +12,11 @@ from flashspec.matmul import linear
 import torch
 
 from flashspec.errors import FlashSpecError
-from flashspec.heads import (FullHead, LowRankHead, TruncatedHead, agreement_metrics,
-                             build_head, distill_lowrank, equal_cost_keep, evaluate_head,
-                             load_frequencies, load_head, resolve_keep, save_frequencies,
-                             save_head, token_frequencies)
+from flashspec.heads import (FullHead, FullHeadChoice, LowRankChoice, LowRankHead,
+                             TruncatedChoice, TruncatedHead, agreement_metrics, distill_lowrank,
+                             equal_cost_keep, evaluate_head, load_frequencies, load_head,
+                             resolve_keep, resolve_rank, save_frequencies, save_head,
+                             token_frequencies)
 from flashspec.theory import equal_cost_rank, lowrank_cost_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,14 +68,18 @@ def test_lowrank_cost(weight):
 def test_rank_out_of_range_is_flashspec_error(weight, rank):
     with pytest.raises(FlashSpecError):
         LowRankHead.from_svd(weight, rank)
+    with pytest.raises(FlashSpecError):   # refused when chosen, or against d when built
+        LowRankChoice(rank=rank, init="svd").build(weight)
     with pytest.raises(FlashSpecError):
-        build_head({"kind": "lowrank", "rank": rank}, weight)
+        resolve_rank(rank, 48)
 
 
 @pytest.mark.parametrize("rank", ["d/0", "d/100", "2d", "x/8"])
 def test_bad_rank_strings_are_flashspec_errors(weight, rank):
     with pytest.raises(FlashSpecError):
-        build_head({"kind": "lowrank", "rank": rank}, weight)
+        LowRankChoice(rank=rank, init="svd").build(weight)
+    with pytest.raises(FlashSpecError):
+        resolve_rank(rank, 48)
 
 
 def test_truncated_head_exact_inside_neg_inf_outside(weight):
@@ -114,24 +119,30 @@ def test_equal_cost_keep_matches_bytes():
     assert equal_cost_keep(576, 49152, 576) == 49152  # capped at V
 
 
-def test_build_head_kinds(weight, tmp_path):
-    assert isinstance(build_head({"kind": "full", "rank": None}, weight), FullHead)
-    low = build_head({"kind": "lowrank", "rank": "d/8", "init": "svd"}, weight, hidden_size=48)
+def test_head_choices_build_each_kind(weight, tmp_path):
+    assert FullHeadChoice().build(weight) is None   # the drafter keeps its own full head
+    low = LowRankChoice(rank="d/8", init="svd").build(weight)
     assert isinstance(low, LowRankHead) and low.describe()["rank"] == 6
+    assert LowRankChoice(rank="d/8").build(weight, {6: low}, drafter="x") is low   # init=trained
     freqs = torch.arange(300)
-    trunc = build_head({"kind": "truncated", "keep": "match:d/8"}, weight, frequencies=freqs)
+    trunc = TruncatedChoice(keep="match:d/8").build(weight, frequencies=freqs)
     assert trunc.keep == equal_cost_keep(6, 300, 48)
     assert set(trunc.keep_ids.tolist()) == set(range(300 - trunc.keep, 300))
     path = save_frequencies(freqs, tmp_path / "f.safetensors", {"text": "test"})
-    from_file = build_head({"kind": "truncated", "keep": 0.1, "frequencies": str(path)}, weight)
+    from_file = TruncatedChoice(keep=0.1, frequencies=str(path)).build(weight)
     assert from_file.keep == 30
     assert resolve_keep(17, 300, 48) == 17 and resolve_keep("0.5", 300, 48) == 150
-    for bad in ({"kind": "nope"}, {"kind": "truncated", "keep": 10},
-                {"kind": "truncated", "keep": 0, "frequencies": str(path)},
-                {"kind": "lowrank", "rank": None}, {"kind": "lowrank", "rank": 4, "init": "asvd"},
-                {"kind": "lowrank", "rank": 4, "init": "random"}):
+    for bad in (lambda: FullHeadChoice(rank="d/8"),                 # contradictions, when chosen
+                lambda: TruncatedChoice(rank="d/8"),
+                lambda: TruncatedChoice(keep=10).build(weight),     # no frequencies
+                lambda: TruncatedChoice(keep=0, frequencies=str(path)).build(weight),
+                lambda: LowRankChoice(rank=None),
+                lambda: LowRankChoice(rank=4, init="asvd").build(weight),   # no calibration
+                lambda: LowRankChoice(rank=4, init="random"),
+                lambda: LowRankChoice(rank=4).build(weight, {6: low}),  # no trained head of rank 4
+                lambda: LowRankChoice(rank=4, layout="diagonal")):
         with pytest.raises(FlashSpecError):
-            build_head(bad, weight)
+            bad()
 
 
 def test_save_load_round_trip(weight, tmp_path):
@@ -146,10 +157,9 @@ def test_save_load_round_trip(weight, tmp_path):
     trunc = TruncatedHead(weight.float(), [1, 5, 9], 300)
     back, meta = load_head(save_head(trunc, tmp_path / "t.safetensors"))
     assert torch.equal(back(h), trunc(h)) and meta["keep"] == 3
-    cfg = {"kind": "lowrank", "rank": 5, "checkpoint": str(path)}
-    assert torch.equal(build_head(cfg, weight.float())(h), low(h))
+    assert torch.equal(LowRankChoice(rank=5, checkpoint=str(path)).build(weight.float())(h), low(h))
     with pytest.raises(FlashSpecError):
-        build_head({**cfg, "rank": 6}, weight.float())
+        LowRankChoice(rank=6, checkpoint=str(path)).build(weight.float())
     with pytest.raises(FlashSpecError):
         load_head(tmp_path / "missing.safetensors")
     counts, meta = load_frequencies(save_frequencies(torch.tensor([0, 4, 1]), tmp_path / "c.st"))
@@ -168,8 +178,8 @@ def test_in_out_layout_same_logits_transposed_storage(weight, tmp_path):
     back, meta = load_head(save_head(LowRankHead.from_svd(weight, 6, layout="in_out"),
                                      tmp_path / "io.safetensors"))
     assert meta["layout"] == "in_out" and back.describe()["layout"] == "in_out"
-    assert build_head({"kind": "lowrank", "rank": 6, "layout": "in_out"}, weight
-                      ).describe()["layout"] == "in_out"
+    assert LowRankChoice(rank=6, init="svd", layout="in_out").build(weight
+                                                                   ).describe()["layout"] == "in_out"
     with pytest.raises(FlashSpecError):
         FullHead(weight, "diagonal")
 

@@ -6,19 +6,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashspec.bandits import make_policy
+from flashspec.bandits import UCB1, Policy, ThompsonSampling
 from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 
+# The bandit policies the gate runs, by name (each built with its class defaults).
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (UCB1, ThompsonSampling)}
+
+
 class PolicyChooser:
-    """``make_policy(name, K, seed=[...])`` with one replicate per row; reward α = accepted/γ.
+    """Policy ``name`` (``POLICIES[name](K, seed=[...])``) with one replicate per row; reward
+    α = accepted/γ.
 
     Rewards of a step are collected per arm group and fed back (``update_many``) before the
     next selection; rows that finished get NaN (unobserved).
     """
 
     def __init__(self, name: str, n_arms: int, n_rows: int, seed: int = 0) -> None:
-        self.policy = make_policy(name, n_arms, seed=list(range(seed, seed + n_rows)))
+        self.policy = POLICIES[name](n_arms, seed=list(range(seed, seed + n_rows)))
         self.pending_arms = np.zeros(n_rows, dtype=np.int64)
         self.pending = np.full(n_rows, np.nan)
         self.history: list[np.ndarray] = []
