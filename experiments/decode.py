@@ -243,7 +243,7 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
         return
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.bandits.stream_plot import arm_names, plot_stream
+    from flashspec.analysis.bandit_stream_plot import arm_names, plot_stream
     plot_stream(records, arm_names(OmegaConf.to_container(cfg.drafters, resolve=True)),
                 out_dir / "stream.png")
     print(f"figure: {out_dir / 'stream.png'}")

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from experiments.head_decode import _step_seconds, head_rows, loop_stats, phase_seconds
-from flashspec.bandits.stream_plot import arm_names, stream
+from flashspec.analysis.bandit_stream_plot import arm_names, stream
 from flashspec.theory import rho_tps
 
 

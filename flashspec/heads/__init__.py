@@ -1,6 +1,6 @@
 """Drafter LM heads: full, low-rank (SlimSpec) and truncated-vocabulary baselines.
 
-Names are imported lazily so that ``flashspec.heads.bench`` runs on a machine with torch
+Names are imported lazily so that ``flashspec.analysis.head_bench`` runs on a machine with torch
 alone (no safetensors / tqdm / omegaconf).
 """
 from __future__ import annotations
