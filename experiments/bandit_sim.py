@@ -172,7 +172,7 @@ def _figure(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flashspec.bandits.plot import plot_regret
+    from flashspec.analysis.bandit_plot import plot_regret
     plt.close(plot_regret(records, path))
 
 

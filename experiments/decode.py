@@ -216,7 +216,7 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
         return
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.bandits.stream_plot import plot_stream
+    from flashspec.analysis.bandit_stream_plot import plot_stream
     from experiments.harness import arm_pairs
     plot_stream(records, [f"{name}@{gamma}" for name, gamma in arm_pairs(cfg.drafters)],
                 out_dir / "stream.png")

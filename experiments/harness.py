@@ -26,6 +26,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
 from flashspec.records import NullLogger, RecordWriter, provenance
+from flashspec.verify import get_backend
 
 log = logging.getLogger("flashspec")
 
@@ -57,13 +58,15 @@ def load_target(cfg: DictConfig):
     """(model, tokenizer) of the target; ``hardware.fused_layers`` swaps the fused decode layers in."""
     model, tokenizer = build(cfg.target)
     if hardware(cfg).fused_layers:
-        model.fuse()
+        from flashspec.models.fused import fuse_model   # Triton: only when asked for
+        fuse_model(model)
     return model, tokenizer
 
 
 def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
     hw = hardware(cfg)
-    return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype)
+    return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype,
+                        kernels=hw.kernels)
 
 
 def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
@@ -112,8 +115,8 @@ def make_planner(cfg: DictConfig) -> WidthPlanner | None:
 def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
     """SpecEngine keyword arguments shared by every method of a run."""
     hw = hardware(cfg)
-    return dict(params=params, backend=hw.verify_backend, seed=int(cfg.seed), eos_ids=eos,
-                graphs=hw.cuda_graphs, compile=hw.compile_step)
+    return dict(params=params, backend=get_backend(hw.verify_backend, hw.kernels),
+                seed=int(cfg.seed), eos_ids=eos, graphs=hw.cuda_graphs, compile=hw.compile_step)
 
 
 # ----------------------------------------------------------------------------- checks

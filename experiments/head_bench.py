@@ -3,14 +3,14 @@
 Hydra: ``python run.py experiment=head_bench [hardware=h200] [smoke=true]``.
 Plain (torch only, e.g. on a GPU box without Hydra/W&B):
 ``python -m experiments.head_bench --device cuda --out DIR``.
-The measurement lives in :mod:`flashspec.heads.bench`; this file maps configs onto it.
+The measurement lives in :mod:`flashspec.analysis.head_bench`; this file maps configs onto it.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from flashspec.heads.bench import BenchConfig, main, run_bench
+from flashspec.analysis.head_bench import BenchConfig, main, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
          "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout",

@@ -269,5 +269,5 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def _figure(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.heads.plot import plot_rho_tps
+    from flashspec.analysis.head_plot import plot_rho_tps
     plot_rho_tps(rows, path)

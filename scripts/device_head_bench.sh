@@ -10,14 +10,14 @@ set -o pipefail
 OUT=${OUT:-outputs/head_bench_gpu}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/.whl/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export TRITON_INTERPRET=0 FLASHSPEC_HEAD_TRITON=1
+export TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/env.log"
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
 timeout "${TEST_TIMEOUT:-50}" python3 -m pytest -q $XDIST -p no:cacheprovider \
   tests/test_triton_head.py 2>&1 | tail -40 | tee "$OUT/pytest.log"
-timeout "${BENCH_TIMEOUT:-60}" python3 -m flashspec.heads.bench --device cuda --cuda-graphs \
+timeout "${BENCH_TIMEOUT:-60}" python3 -m flashspec.analysis.head_bench --device cuda --cuda-graphs \
   --shapes 4096:128256 576:49152 --batches 1 64 --rank-divs ${RANK_DIVS:-8 32} \
   --budget-s "${BUDGET_S:-4}" --out "$OUT" 2>&1 | tr '\r' '\n' | tail -30 | tee "$OUT/bench.log"
 timeout "${SWEEP_TIMEOUT:-30}" python3 scripts/head_triton_sweep.py --out "$OUT" \

@@ -32,19 +32,19 @@ SHAPE_ARG="shapes=$SHAPES"
 timeout "${PRECOMPILE_TIMEOUT:-60}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
   --precompile "${PRECOMPILE:-8}" --precompile-only --set "$SHAPE_ARG" 2>&1 | tail -5 | tee -a "$OUT/env.log"
 echo "precompiled after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
+DIRECT_ARG=""
 case "${DIRECT:-auto}" in
   auto)
-    if FLASHSPEC_DIRECT_LAUNCH=1 timeout "${PROBE_TIMEOUT:-35}" python3 -m experiments.kernel_bench \
+    if timeout "${PROBE_TIMEOUT:-35}" python3 -m experiments.kernel_bench \
         --out "$OUT" --probe-direct > "$OUT/probe.log" 2>&1; then
-      export FLASHSPEC_DIRECT_LAUNCH=1
+      DIRECT_ARG="--direct-launch"
     fi ;;
-  1) export FLASHSPEC_DIRECT_LAUNCH=1 ;;
+  1) DIRECT_ARG="--direct-launch" ;;
 esac
-echo "FLASHSPEC_DIRECT_LAUNCH=${FLASHSPEC_DIRECT_LAUNCH:-0} after $(( $(date +%s) - T0 )) s" \
-  | tee -a "$OUT/env.log"
+echo "direct launch: ${DIRECT_ARG:-off} after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
 
 timeout "${BENCH_TIMEOUT:-125}" python3 -m experiments.kernel_bench --out "$OUT" --hardware h200 \
-  --commit "${COMMIT:-unknown}" --set compile_ref=false "$SHAPE_ARG" ${BENCH_ARGS:-} 2>&1 \
+  --commit "${COMMIT:-unknown}" $DIRECT_ARG --set compile_ref=false "$SHAPE_ARG" ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/bench.log"
 echo "bench done after $(( $(date +%s) - T0 )) s" | tee -a "$OUT/env.log"
 

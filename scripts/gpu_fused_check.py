@@ -64,9 +64,10 @@ def model_config(tiny: bool):
 
 
 def dummy_model(a, dtype, seed: int = 0):
+    from flashspec.models.fused import fuse_model
     from flashspec.models.loading import random_model
     model = random_model(model_config(a.tiny), dtype, a.device, seed, std=0.05)
-    return model.eval().requires_grad_(False).fuse()
+    return fuse_model(model.eval().requires_grad_(False))
 
 
 def prompts(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -77,7 +78,8 @@ def prompts(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 # ----------------------------------------------------------------------------- (a) exactness
 def step(model, fused: bool, cache, tokens, pos):
-    model.fused = fused
+    from flashspec.models.fused import LAYERS
+    model.decode_layers = LAYERS if fused else None
     with torch.inference_mode():
         hidden = model.forward_hidden(tokens, pos, cache)
         return hidden, model.logits(hidden)
@@ -110,7 +112,8 @@ def forward_check(model, batch: int, width: int) -> bool:
 
 def generate(model, fused: bool, arm, graphs: bool, batch: int, new: int):
     from flashspec.engine import SpecEngine
-    model.fused = fused
+    from flashspec.models.fused import LAYERS
+    model.decode_layers = LAYERS if fused else None
     engine = SpecEngine(model, [arm], backend="triton", graphs=graphs)
     res = engine.generate(prompts(batch, model.shape.vocab_size), new)
     return [r.tokens for r in res.rows], [r.accept_hist for r in res.rows], engine

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
+from flashspec.models.fused import fuse_model  # noqa: E402
 from flashspec.models.loading import dummy_config, random_model  # noqa: E402
 from flashspec.planner import expected_tokens  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
@@ -125,7 +126,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--gamma", type=int, default=6)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--fused", action="store_true", help="fused decode layers (LlamaLM.fuse)")
+    ap.add_argument("--fused", action="store_true", help="fused decode layers (fused.fuse_model)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code path (no timings)")
     a = ap.parse_args()
@@ -137,7 +138,7 @@ def main() -> int:
     target = dummy(a.target, dtype, a.device, seed=0)
     drafter = dummy(a.drafter, dtype, a.device, seed=1)
     if a.fused:
-        target.fuse(), drafter.fuse()
+        fuse_model(target), fuse_model(drafter)
     lines = [{"kind": "setup", "target": a.target, "drafter": a.drafter, "fused": a.fused,
               "context": a.context,
               "gpu": torch.cuda.get_device_name() if a.device == "cuda" else "none (dry run)",

@@ -231,7 +231,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         target = ctx.target
         module, trained_head, _ = load_eagle(repo_path(checkpoint), target)
         trained = {trained_head.rank: trained_head} if isinstance(trained_head, LowRankHead) else {}
-        chosen = head.build(target.lm_head_weight, trained, drafter=name)
+        chosen = head.build(target.lm_head_weight, trained, name, ctx.kernels.head_triton)
         if chosen is None and head_dtype:
             chosen = CastHead(target.lm_head_weight, resolve_dtype(head_dtype))
         if target.fused:

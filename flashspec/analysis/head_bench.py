@@ -10,7 +10,7 @@ the last-level cache. CPU: perf_counter; CUDA: torch.cuda.Event pairs.
 ``lowrank_triton_d/N`` (CUDA, B <= 16) runs the up projection through the Triton kernel of
 :mod:`flashspec.heads.triton_head` (the down projection stays F.linear).
 
-Needs torch only (no Hydra, OmegaConf, W&B, safetensors): ``python -m flashspec.heads.bench``
+Needs torch only (no Hydra, OmegaConf, W&B, safetensors): ``python -m flashspec.analysis.head_bench``
 or ``python -m experiments.head_bench`` (same CLI).
 """
 from __future__ import annotations
@@ -114,9 +114,7 @@ def n_copies(weight_bytes: int, flush_bytes: int, cap: int) -> int:
 
 def _lowrank(w_down: torch.Tensor, w_up: torch.Tensor, layout: str, use_triton: bool
              ) -> LowRankHead:
-    head = LowRankHead(w_down, w_up, layout)
-    head.use_triton = use_triton
-    return head
+    return LowRankHead(w_down, w_up, layout, use_triton)
 
 
 def _variants(d: int, vocab: int, cfg: BenchConfig, dtype: torch.dtype, flush: int,
