@@ -150,20 +150,61 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
 
 
 # ----------------------------------------------------------------------------- the run directory
+def job_info(cfg: DictConfig) -> dict[str, Any]:
+    """What identifies this job among its sweep: the sweep (or run) folder as the W&B group,
+    the command-line overrides as swept values, the group choices as tags, and a run name."""
+    from hydra.core.hydra_config import HydraConfig
+    out_dir = Path(cfg.output_dir)
+    info: dict[str, Any] = {"group": out_dir.name, "swept": {}, "choices": {}, "name": out_dir.name}
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        if str(hc.mode) == "RunMode.MULTIRUN":
+            sweep = Path(hc.sweep.dir)
+            info["group"] = f"{sweep.parent.name}_{sweep.name}"
+        info["swept"] = dict(o.split("=", 1) for o in hc.overrides.task if "=" in o
+                             and not o.split("=", 1)[0].lstrip("+~").startswith(("hydra", "output_dir")))
+        info["choices"] = {k: v for k, v in hc.runtime.choices.items()
+                           if not k.startswith("hydra") and v is not None}
+        info["name"] = hc.job.override_dirname or "default"
+    if cfg.get("smoke"):
+        info["name"] = f"smoke-{info['name']}"
+    return info
+
+
+def _wandb_id(path: Path) -> str:
+    """This run directory's W&B run id (made once, kept in the directory: a resumed run
+    continues the same W&B run)."""
+    import secrets
+    file = path / "wandb_run_id"
+    if not file.exists():
+        file.write_text(secrets.token_hex(8))
+    return file.read_text().strip()
+
+
 class RunDir:
     """One run's directory: a record writer, the provenance every record carries, and the
     logger (a W&B run, or the do-nothing logger)."""
 
-    def __init__(self, cfg: DictConfig, records: str, name: str | None = None) -> None:
+    def __init__(self, cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None
+                 ) -> None:
         self.path = Path(cfg.output_dir)
         self.seed = int(cfg.seed)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = OmegaConf.to_container(cfg, resolve=True)
         self.writer = RecordWriter(self.path / records)
         self.provenance = provenance(self.config, int(cfg.seed))
-        self.logger = build(cfg.logger, _partial_=True)(config=self.config, name=name,
-                                                        dir=str(self.path)) \
-            if "logger" in cfg else NullLogger()
+        self.info = job_info(cfg)
+        self.logger = NullLogger()
+        if "logger" in cfg:
+            lg = cfg.logger
+            tags = [*(lg.get("tags") or []), *(f"{k}={v}" for k, v in self.info["choices"].items()),
+                    *(["smoke"] if cfg.get("smoke") else [])]
+            config = {**self.config, "swept": self.info["swept"], **(extra_config or {})}
+            kwargs = dict(config=config, name=self.info["name"], dir=str(self.path))
+            if "group" in lg:   # a W&B logger: sweep group, experiment as job type, resumable
+                kwargs.update(group=lg.group or self.info["group"], tags=tags,
+                              job_type=str(cfg.experiment.name), id=_wandb_id(self.path))
+            self.logger = build(lg, _partial_=True)(**kwargs)
 
     def done_keys(self, *fields: str) -> set[tuple]:
         return self.writer.done_keys(*fields)
@@ -173,9 +214,10 @@ class RunDir:
 
 
 @contextmanager
-def run_dir(cfg: DictConfig, records: str, name: str | None = None) -> Iterator[RunDir]:
+def run_dir(cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None
+            ) -> Iterator[RunDir]:
     """A :class:`RunDir` whose logger is finished however the run ends."""
-    run = RunDir(cfg, records, name)
+    run = RunDir(cfg, records, extra_config)
     try:
         yield run
     finally:

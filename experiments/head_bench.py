@@ -35,7 +35,7 @@ def bench_config(cfg: Any) -> BenchConfig:
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
     from experiments.harness import run_dir
-    with run_dir(cfg, "head_bench.jsonl", f"head_bench_{cfg.hardware.name}") as run:
+    with run_dir(cfg, "head_bench.jsonl") as run:
         summary = run_bench(bench_config(cfg), cfg.output_dir, run.config, run.logger)
         run.logger.summary({"n_records": summary["n_records"]})
     return summary

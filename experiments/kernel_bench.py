@@ -458,7 +458,7 @@ def kernel_options(hardware: dict) -> KernelOptions:
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
     from experiments.harness import run_dir
-    with run_dir(cfg, RECORDS, f"kernel_bench_{cfg.hardware.name}") as run:
+    with run_dir(cfg, RECORDS) as run:
         conf = run.config
         device = pick_device(conf["hardware"]["device"])
         knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)

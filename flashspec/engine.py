@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -288,9 +288,12 @@ class SpecEngine:
                 self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
                                      n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
-            if proposed or self.reward_kind == "tps":
-                r = reward(self.reward_kind, proposed, accepted,
-                           step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
+            # a drafter that proposed nothing (prompt lookup without a match) earned nothing: the
+            # policy hears it, or an unplayed-first index policy would pick that arm forever
+            empty = arm.drafter is not None and not proposed and self.reward_kind != "tps"
+            if proposed or empty or self.reward_kind == "tps":
+                r = 0.0 if empty else reward(self.reward_kind, proposed, accepted,
+                                             step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
                 for row, live in zip(rows, active):
                     if live:
                         row.rewards.append(r)

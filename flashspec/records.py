@@ -115,14 +115,19 @@ class NullLogger:
 
 
 class WandbLogger(NullLogger):
-    """A W&B run (``mode``: offline by default, or online)."""
+    """A W&B run (``mode``: offline by default, or online).
+
+    ``group`` gathers the jobs of one sweep, ``job_type`` names the experiment; ``id`` with
+    ``resume="allow"`` continues the same W&B run when a run directory is resumed."""
 
     def __init__(self, mode: str = "offline", project: str = "flashspec", name: str | None = None,
                  group: str | None = None, config: dict | None = None, tags: list | None = None,
-                 entity: str | None = None, dir: str | Path | None = None) -> None:
+                 entity: str | None = None, dir: str | Path | None = None,
+                 job_type: str | None = None, id: str | None = None) -> None:
         import wandb
         self.run = wandb.init(mode=mode, project=project, name=name, group=group, entity=entity,
                               config=config, tags=list(tags or []), dir=str(dir) if dir else None,
+                              job_type=job_type, id=id, resume="allow" if id else None,
                               reinit="finish_previous", settings=wandb.Settings(silent=True))
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
