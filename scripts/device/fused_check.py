@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU check and timing of the fused decode layers (flashspec.models.fused); no Hydra, no hub.
 
-A SmolLM2-shaped model with random weights (N(0, 0.05), as scripts/gpu_engine_check.py):
+A SmolLM2-shaped model with random weights (N(0, 0.05), as scripts/device/engine_check.py):
 
 (a) fp32 exactness, fused vs reference layers on the same weights:
     ``forward``: logits/hidden/KV max-abs-diff of one cached step of width 1, 5, 9 at B=1, 4
@@ -13,8 +13,8 @@ A SmolLM2-shaped model with random weights (N(0, 0.05), as scripts/gpu_engine_ch
 
 Prints one JSON line per result; exits 1 if an fp32 equality fails, 2 without CUDA.
 
-    python scripts/gpu_fused_check.py                       # on the GPU (~1-2 min on an H200)
-    python scripts/gpu_fused_check.py --device cpu --tiny   # code path on CPU (interpreter)
+    python scripts/device/fused_check.py                       # on the GPU (~1-2 min on an H200)
+    python scripts/device/fused_check.py --device cpu --tiny   # code path on CPU (interpreter)
 """
 from __future__ import annotations
 
@@ -23,11 +23,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
-import torch  # noqa: E402 - torch does not import triton; TRITON_INTERPRET is set in main()
+import torch  # torch does not import triton; TRITON_INTERPRET is set in main()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FP32_TOL = 1e-4     # max |fused - reference| / max |reference| of a forward, fp32
 

@@ -5,7 +5,7 @@
 # The device box has torch/triton/PyYAML but no Hydra/OmegaConf/W&B: experiments/__init__.py
 # imports omegaconf, so pure-Python copies of omegaconf + antlr4 travel in .whl/site (ignored):
 #   mkdir -p .whl/site && cp -r .venv/lib/python3.*/site-packages/{omegaconf,antlr4} .whl/site/
-# Run from the repository root:  OUT=DIR COMMIT=$(git rev-parse HEAD) bash scripts/device_kernel_bench.sh
+# Run from the repository root:  OUT=DIR COMMIT=$(git rev-parse HEAD) bash scripts/device/kernel_bench.sh
 # Knobs: DIRECT=auto|0|1 (auto: direct launch only if the probe matches the reference),
 # SHAPES=full (all 24 shapes of the YAML) or a YAML list [[B,γ,V],...], PRECOMPILE=N processes,
 # PRECOMPILE_TIMEOUT, PROBE_TIMEOUT, BENCH_TIMEOUT, TEST_TIMEOUT, EXAMPLES, WORKERS, TESTS_K,

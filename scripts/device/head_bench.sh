@@ -2,9 +2,9 @@
 # GPU run of the low-rank head's Triton up projection: compiled-kernel tests on CUDA, the head
 # bench (full vs lowrank_d/N (cuBLAS) vs lowrank_triton_d/N, CUDA-graph replays) and a tile
 # sweep of the up projection alone. Torch + triton only (pytest for the tests); the pure-Python
-# omegaconf/antlr4 copies in .whl/site (ignored) are on PYTHONPATH as in device_kernel_bench.sh:
+# omegaconf/antlr4 copies in .whl/site (ignored) are on PYTHONPATH as in kernel_bench.sh:
 #   mkdir -p .whl/site && cp -r .venv/lib/python3.*/site-packages/{omegaconf,antlr4} .whl/site/
-# Run from the repository root:  OUT=DIR bash scripts/device_head_bench.sh   (~2 min)
+# Run from the repository root:  OUT=DIR bash scripts/device/head_bench.sh   (~2 min)
 # Writes to OUT: env.log pytest.log bench.log head_bench.jsonl nu_vs_rank.png sweep.log sweep.jsonl
 set -o pipefail
 OUT=${OUT:-outputs/head_bench_gpu}
@@ -20,7 +20,7 @@ timeout "${TEST_TIMEOUT:-50}" python3 -m pytest -q $XDIST -p no:cacheprovider \
 timeout "${BENCH_TIMEOUT:-60}" python3 -m flashspec.heads.bench --device cuda --cuda-graphs \
   --shapes 4096:128256 576:49152 --batches 1 64 --rank-divs ${RANK_DIVS:-8 32} \
   --budget-s "${BUDGET_S:-4}" --out "$OUT" 2>&1 | tr '\r' '\n' | tail -30 | tee "$OUT/bench.log"
-timeout "${SWEEP_TIMEOUT:-30}" python3 scripts/head_triton_sweep.py --out "$OUT" \
+timeout "${SWEEP_TIMEOUT:-30}" python3 scripts/device/head_triton_sweep.py --out "$OUT" \
   --budget-s "${SWEEP_BUDGET_S:-22}" 2>&1 | tail -80 | tee "$OUT/sweep.log"
 python3 - "$OUT/head_bench.jsonl" <<'PY' 2>&1 | tee -a "$OUT/bench.log"
 import json, sys

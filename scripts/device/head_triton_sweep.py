@@ -5,7 +5,7 @@ r = d/8), after the down projection h W_down^T [N = r, K = d] (cuBLAS vs the def
 Each timing replays a CUDA graph of calls that rotate through enough W_up copies to exceed
 2x the L2 cache (cold weights, no launch gaps), median of several replays. Writes one JSON
 line per (case, implementation) to OUT/sweep.jsonl and a table to stdout.
-Usage: ``python3 scripts/head_triton_sweep.py --out DIR [--budget-s 30]``.
+Usage: ``python3 scripts/device/head_triton_sweep.py --out DIR [--budget-s 30]``.
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashspec.heads import triton_head as th  # noqa: E402
+from flashspec.heads import triton_head as th
 
 CASES = ((128256, 512, 1), (128256, 128, 1), (128256, 512, 16), (49152, 72, 1), (128256, 512, 4))
 # the down projection h W_down^T (N = r, K = d): what cuBLAS costs there (Triton: default only)

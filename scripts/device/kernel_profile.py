@@ -10,7 +10,7 @@ then competes with the timed kernel's reads. Whole calls are timed too (one
 event pair around all launches, flushed first). Every geometry's tokens are checked against the
 reference. GPU only.
 
-    python scripts/kernel_profile.py --out DIR [--shapes 64,4,128256 ...] [--quick | --default-only]
+    python scripts/device/kernel_profile.py --out DIR [--shapes 64,4,128256 ...] [--quick | --default-only]
 """
 from __future__ import annotations
 
@@ -18,17 +18,15 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments.kernel_bench import bytes_min, make_inputs  # noqa: E402
-from flashspec.verify import SamplingParams, reference  # noqa: E402
-from flashspec.verify import triton_backend as tb  # noqa: E402
+from experiments.kernel_bench import bytes_min, make_inputs
+from flashspec.verify import SamplingParams, reference
+from flashspec.verify import triton_backend as tb
 
 FLUSH = 256 << 20      # bytes touched between launches: several times the H200's 60 MB L2
 FLUSH_MODE = "read"

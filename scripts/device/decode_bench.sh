@@ -2,9 +2,9 @@
 # GPU fast path end to end on the lent H200 (no network, no hydra/datasets/wandb: hydra,
 # omegaconf and antlr4 travel as pure-Python copies in .whl/site, gguf as a wheel in .whl/;
 # the SmolLM2 GGUF travels in two halves, see README "GPU").
-#   bash scripts/device_decode_bench.sh part1      # copies .device/gguf/part00 to /dev/shm and
-#                                                  # runs scripts/gpu_engine_check.py (graphs)
-#   bash scripts/device_decode_bench.sh            # joins part01; checks; decode runs
+#   bash scripts/device/decode_bench.sh part1      # copies .device/gguf/part00 to /dev/shm and
+#                                                  # runs scripts/device/engine_check.py (graphs)
+#   bash scripts/device/decode_bench.sh            # joins part01; checks; decode runs
 # Everything lands in $OUT: logs and one tarball of the run directories (records, figures).
 set -o pipefail
 MODE=${1:-run}
@@ -22,11 +22,11 @@ if [ "$MODE" = part1 ]; then
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/env.log"
   # fused decode layers vs reference (fp32 equality incl. engine greedy, bf16 replay timing)
   if [ -n "$SKIP_FUSED_CHECK" ]; then echo 0 > /dev/shm/fused_rc; else
-    timeout ${FUSED_TIMEOUT:-200} python3 scripts/gpu_fused_check.py 2>&1 | tee "$OUT/fused_check.log"
+    timeout ${FUSED_TIMEOUT:-200} python3 scripts/device/fused_check.py 2>&1 | tee "$OUT/fused_check.log"
     echo "${PIPESTATUS[0]}" > /dev/shm/fused_rc
   fi
   if [ -n "$SKIP_CHECK" ]; then echo 0 > /dev/shm/engine_check_rc; exit 0; fi
-  timeout ${CHECK_TIMEOUT:-150} python3 scripts/gpu_engine_check.py ${CHECK_ARGS:---quick} --new 40 2>&1 \
+  timeout ${CHECK_TIMEOUT:-150} python3 scripts/device/engine_check.py ${CHECK_ARGS:---quick} --new 40 2>&1 \
     | tee "$OUT/engine_check.log"
   echo "${PIPESTATUS[0]}" > /dev/shm/engine_check_rc
   exit 0
@@ -68,7 +68,7 @@ one() {  # one named run: fp32 | he_b1 | mt_b1 | he_ours | he_b8 | he_b32 | eagl
     eagle_he|eagle_mt) d=$([ $1 = eagle_he ] && echo humaneval || echo mtbench)
            timeout 100 $EAGLE dataset=$d dataset.n_prompts=${N_EAGLE:-8} "$OURS" output_dir=/tmp/runs/$1 ;;
     scale) # step costs at scale: Llama-3.1-8B-shaped target, Llama-3.2-1B-shaped drafter (random weights)
-           timeout ${SCALE_TIMEOUT:-150} python3 scripts/scale_timing.py --batch 1 8 \
+           timeout ${SCALE_TIMEOUT:-150} python3 scripts/device/scale_timing.py --batch 1 8 \
              $([ $FUSED = true ] && echo --fused) --out /tmp/runs/scale_timing.jsonl | tail -40 ;;
     he_b8|he_b32) b=${1#he_b}; timeout ${BATCH_TIMEOUT:-50} $RUN dataset=humaneval dataset.n_prompts=${N_BATCHED:-$b} \
            experiment.batch_size=$b "$OURS" output_dir=/tmp/runs/he_b$b ;;

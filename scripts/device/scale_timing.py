@@ -12,7 +12,7 @@ get is then predicted from stated acceptance rates α (i.i.d. per token):
 
 One JSON line per measurement and per prediction; ``--out`` also writes them to a file.
 
-    python scripts/scale_timing.py [--batch 1 8] [--context 1024] [--fused] [--out f.jsonl]
+    python scripts/device/scale_timing.py [--batch 1 8] [--context 1024] [--fused] [--out f.jsonl]
 """
 from __future__ import annotations
 
@@ -24,13 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from flashspec.engine import Arm, SpecEngine  # noqa: E402
-from flashspec.models.loading import dummy_config, random_model  # noqa: E402
-from flashspec.planner import expected_tokens  # noqa: E402
-from flashspec.verify import SamplingParams  # noqa: E402
+from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.models.loading import dummy_config, random_model
+from flashspec.planner import expected_tokens
+from flashspec.verify import SamplingParams
 
 ALPHAS = (0.6, 0.7, 0.8)
 

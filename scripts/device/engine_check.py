@@ -7,7 +7,7 @@ and B=4, and T=1 sampling must give identical tokens with the torch and triton b
 same seed (same counter-based random numbers), with and without the CUDA-graph verify step.
 Prints one JSON line per check.
 
-    python scripts/gpu_engine_check.py [--device cuda] [--new 48]
+    python scripts/device/engine_check.py [--device cuda] [--new 48]
 """
 from __future__ import annotations
 
@@ -15,16 +15,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.drafters import ModelDrafter, NgramDrafter  # noqa: E402
-from flashspec.engine import Arm, SpecEngine  # noqa: E402
-from flashspec.models.loading import dummy_config, random_model  # noqa: E402
-from flashspec.verify import SamplingParams  # noqa: E402
+from flashspec.drafters import ModelDrafter, NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.models.loading import dummy_config, random_model
+from flashspec.verify import SamplingParams
 
 
 def dummy_model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32):
