@@ -263,6 +263,8 @@ class SpecEngine:
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  domain: str | None = None) -> BatchResult:
         """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence."""
+        from flashspec.inputs import check_generate_inputs
+        check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
         if max_new_tokens < 1:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0, capture0 = time.perf_counter(), self.capture_s
