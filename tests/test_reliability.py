@@ -221,3 +221,154 @@ def test_engine_generate_checks_its_inputs():
     with pytest.raises(FlashSpecError, match="max_new_tokens"):
         engine.generate([[1, 2]], 2.5)
     assert len(engine.generate([[1, 2]], 3).rows[0].tokens) <= 3
+
+
+# ------------------------------------------------------------------------------------ prompt data
+@pytest.fixture()
+def humaneval_cache(tmp_path, monkeypatch) -> Path:
+    """A private prompt cache holding HumanEval, written by the real prepare script."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts/prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    monkeypatch.setenv("FLASHSPEC_DATA", str(tmp_path))
+    prepare_data.prepare(tmp_path, ("humaneval",))
+    return tmp_path
+
+
+def _rewrite_row0(folder: Path, edit, update_manifest: bool) -> Path:
+    from flashspec.data import file_sha256
+    path = folder / "humaneval.jsonl"
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[0])
+    edit(row)
+    lines[0] = json.dumps(row)
+    path.write_text("\n".join(lines) + "\n")
+    if update_manifest:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["humaneval"]["sha256"] = file_sha256(path)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_data_hash_names_the_prompt_files(humaneval_cache):
+    from flashspec.data import data_hash, load_prompts
+    h = data_hash("humaneval")
+    assert len(h) == 64 and h == data_hash(["humaneval"]) and load_prompts("humaneval", 2)
+    _rewrite_row0(humaneval_cache, lambda r: r.update(prompt=r["prompt"] + "# x\n"), True)
+    assert data_hash("humaneval") != h
+
+
+def test_prompt_file_changed_after_prepare_is_refused(humaneval_cache):
+    from flashspec.data import load_prompts
+    path = _rewrite_row0(humaneval_cache, lambda r: r.update(prompt=r["prompt"] + "# x\n"), False)
+    with pytest.raises(FlashSpecError, match=f"{path} differs from .*manifest.json"):
+        load_prompts("humaneval", 2)
+
+
+def test_prompt_row_without_its_text_is_named(humaneval_cache):
+    from flashspec.data import load_prompts
+    path = _rewrite_row0(humaneval_cache, lambda r: r.pop("prompt"), True)
+    with pytest.raises(FlashSpecError, match=f"{path} row 1 has no 'prompt' field"):
+        load_prompts("humaneval", 2)
+
+
+# ------------------------------------------------------------------------ model files and caches
+def _write_gguf(path: Path, seed: int, vocab: int = 300, d: int = 16, ff: int = 32) -> Path:
+    """A tiny but real Llama GGUF (byte-level BPE vocabulary, float32 tensors)."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from tokenizers.pre_tokenizers import ByteLevel
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1), w.add_context_length(64), w.add_embedding_length(d)
+    w.add_feed_forward_length(ff), w.add_head_count(2), w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5), w.add_rope_dimension_count(d // 2)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("default")
+    tokens = sorted(ByteLevel.alphabet()) + [f"<x{i}>" for i in range(vocab - 256)]
+    w.add_token_list(tokens), w.add_token_types([1] * vocab), w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([]), w.add_bos_token_id(256), w.add_eos_token_id(257)
+    mat = lambda *shape: (rng.standard_normal(shape) * 0.02).astype(np.float32)  # noqa: E731
+    w.add_tensor("token_embd.weight", mat(vocab, d))
+    w.add_tensor("output.weight", mat(vocab, d))
+    w.add_tensor("output_norm.weight", np.ones(d, np.float32))
+    for name, shape in [("attn_q", (d, d)), ("attn_k", (d, d)), ("attn_v", (d, d)),
+                        ("attn_output", (d, d)), ("ffn_gate", (ff, d)), ("ffn_up", (ff, d)),
+                        ("ffn_down", (d, ff))]:
+        w.add_tensor(f"blk.0.{name}.weight", mat(*shape))
+    for name in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{name}.weight", np.ones(d, np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    """Two different GGUF files of the same name, converted in a private model cache."""
+    from flashspec.models.loading import load_model
+    root = tmp_path_factory.mktemp("gguf")
+    a, b = _write_gguf(root / "a" / "model.gguf", 0), _write_gguf(root / "b" / "model.gguf", 1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLASHSPEC_CACHE", str(root / "cache"))
+    models = {p: load_model(str(p))[0] for p in (a, b)}
+    yield root, a, b, models
+    mp.undo()
+
+
+def test_gguf_cache_is_keyed_by_content(tiny_ggufs):
+    from flashspec.models.loading import gguf_cache_dir, gguf_key, load_model
+    root, a, b, models = tiny_ggufs
+    assert gguf_key(a)["size"] == a.stat().st_size and gguf_key(a) != gguf_key(b)
+    assert gguf_cache_dir(a) != gguf_cache_dir(b)
+    wa, wb = (models[p].embed_tokens.weight for p in (a, b))
+    assert not torch.equal(wa, wb)                          # b/model.gguf is not a's model
+    again = load_model(str(b))[0]                           # from the cache this time
+    assert torch.equal(again.embed_tokens.weight, wb)
+
+
+def test_stale_gguf_conversion_is_rebuilt(tiny_ggufs, caplog):
+    from flashspec.models.loading import cached_conversion, gguf_cache_dir, load_model
+    root, a, b, models = tiny_ggufs
+    stamp = gguf_cache_dir(a) / "source.json"
+    stamp.write_text(json.dumps({"size": 1, "sha256": "0" * 64}))   # e.g. a prefix collision
+    assert cached_conversion(a) is None
+    with caplog.at_level(logging.WARNING):
+        model = load_model(str(a))[0]
+    assert "stale" in caplog.text and cached_conversion(a) == gguf_cache_dir(a)
+    assert torch.equal(model.embed_tokens.weight, models[a].embed_tokens.weight)
+
+
+def test_invalid_gguf_is_one_line_naming_the_file(tiny_ggufs):
+    from flashspec.models.loading import load_model
+    root, a, b, models = tiny_ggufs
+    bad = root / "c" / "model.gguf"
+    bad.parent.mkdir()
+    bad.write_bytes(a.read_bytes()[: a.stat().st_size // 3])     # truncated download
+    with pytest.raises(FlashSpecError) as e:
+        load_model(str(bad))
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda c: None, "config.json not found"),
+    (lambda c: "{\"model_type\": \"llama\", ", "not valid JSON"),
+    (lambda c: {**c, "vocab_size": None}, "vocab_size missing or not a positive integer"),
+    (lambda c: {**c, "hidden_size": 15, "head_dim": None}, "not a multiple of num_attention_heads"),
+    (lambda c: {**c, "model_type": "gpt2"}, "model_type 'gpt2' has no native path"),
+    (lambda c: {**c, "vocab_size": 301}, "do not fit its config.json"),
+])
+def test_broken_model_config_is_one_line_naming_it(tiny_ggufs, tmp_path, damage, match):
+    import shutil
+    from flashspec.models.loading import gguf_cache_dir, load_model
+    root, a, b, models = tiny_ggufs
+    folder = tmp_path / "model"
+    shutil.copytree(gguf_cache_dir(a), folder)
+    config = json.loads((folder / "config.json").read_text())
+    new = damage(config)
+    (folder / "config.json").unlink()
+    if new is not None:
+        (folder / "config.json").write_text(new if isinstance(new, str) else json.dumps(new))
+    with pytest.raises(FlashSpecError, match=match) as e:
+        load_model(str(folder))
+    assert str(folder) in str(e.value) and "\n" not in str(e.value)
