@@ -372,3 +372,80 @@ def test_broken_model_config_is_one_line_naming_it(tiny_ggufs, tmp_path, damage,
     with pytest.raises(FlashSpecError, match=match) as e:
         load_model(str(folder))
     assert str(folder) in str(e.value) and "\n" not in str(e.value)
+
+
+# -------------------------------------------------------------------------- drafter checkpoints
+def _tiny_target(vocab: int = 64):
+    from flashspec.models.loading import dummy_config, random_model
+    cfg = dummy_config("smollm2-135m")
+    cfg.num_hidden_layers, cfg.vocab_size = 1, vocab
+    return random_model(cfg, torch.float32, "cpu")
+
+
+@pytest.fixture()
+def eagle_ckpt(tmp_path):
+    from flashspec.drafters.eagle import EagleConfig, EagleModule
+    from flashspec.drafters.eagle_checkpoint import save_eagle
+    target = _tiny_target()
+    module = EagleModule(target.shape, EagleConfig(n_layers=1))
+    module.init_weights(generator=torch.Generator().manual_seed(0))
+    return target, module, save_eagle(tmp_path / "e.safetensors", module, target,
+                                      dtype=torch.float32)
+
+
+def _one_line_error(fn, *args, match: str, path: Path) -> None:
+    with pytest.raises(FlashSpecError, match=match) as e:
+        fn(*args)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_truncated_drafter_checkpoint(eagle_ckpt):
+    from flashspec.drafters.eagle_checkpoint import load_eagle
+    target, module, path = eagle_ckpt
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])          # header intact, tensor data cut
+    _one_line_error(load_eagle, path, target, match="truncated", path=path)
+    path.write_bytes(data[:6])                          # not even a header
+    _one_line_error(load_eagle, path, target, match="truncated or not a safetensors", path=path)
+
+
+def test_mis_shaped_and_nan_drafter_checkpoints(eagle_ckpt, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from flashspec.drafters.eagle_checkpoint import load_eagle, save_eagle
+    target, module, path = eagle_ckpt
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    bad = tmp_path / "bad.safetensors"
+    save_file({**tensors, "module.fc.weight": tensors["module.fc.weight"][:, :-1].contiguous()},
+              str(bad), metadata=meta)
+    _one_line_error(load_eagle, bad, target, match="does not match its own config", path=bad)
+    save_file({k: v for k, v in tensors.items() if "layers.0.mlp" not in k}, str(bad),
+              metadata=meta)
+    _one_line_error(load_eagle, bad, target, match="does not match its own config", path=bad)
+    with torch.no_grad():
+        module.layers[0].mlp.down_proj.weight[3, 5] = float("nan")
+    nan = save_eagle(tmp_path / "nan.safetensors", module, target, dtype=torch.float32)
+    _one_line_error(load_eagle, nan, target, match="NaN or inf weights in module.layers.0.mlp",
+                    path=nan)
+
+
+def test_drafters_package_does_not_import_training():
+    code = ("import sys, flashspec.drafters.eagle, flashspec.drafters.eagle_checkpoint; "
+            "bad = [m for m in sys.modules if m.startswith('flashspec.training')]; "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for src in (ROOT / "flashspec" / "drafters").glob("*.py"):
+        assert "flashspec.training" not in src.read_text(), src
+    from flashspec.drafters import eagle_checkpoint
+    from flashspec.training import checkpoint
+    assert checkpoint.load_eagle is eagle_checkpoint.load_eagle
+
+
+def test_eagle_drafter_from_spec_loads_through_the_new_module(eagle_ckpt):
+    from flashspec.drafters.eagle import EagleDrafter
+    target, module, path = eagle_ckpt
+    drafter = EagleDrafter.from_spec({"name": "e", "checkpoint": str(path)}, target)
+    assert torch.equal(drafter.module.fc.weight, module.fc.weight)

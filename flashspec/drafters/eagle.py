@@ -225,7 +225,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
                   cfg_head: Mapping[str, Any] | None = None) -> "EagleDrafter":
         """From a drafter config entry: ``{kind: eagle, checkpoint: path, name: ...,
         head_dtype: null | bfloat16}`` (head_dtype: a copy of the full head in that dtype)."""
-        from flashspec.training.checkpoint import load_eagle
+        from flashspec.drafters.eagle_checkpoint import load_eagle
         if not spec.get("checkpoint"):
             raise FlashSpecError(f"eagle drafter {spec.get('name')!r} needs `checkpoint:` (a file "
                                  "from `python run.py experiment=train_drafter`)")
