@@ -449,3 +449,41 @@ def test_eagle_drafter_from_spec_loads_through_the_new_module(eagle_ckpt):
     target, module, path = eagle_ckpt
     drafter = EagleDrafter.from_spec({"name": "e", "checkpoint": str(path)}, target)
     assert torch.equal(drafter.module.fc.weight, module.fc.weight)
+
+
+# --------------------------------------------------------------------------------- CPU matmul
+def test_matmul_form_is_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
+    from flashspec import matmul
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul, "_choices", None)
+    w = torch.randn(300, 64)
+    form = matmul.choose_form(3, w)
+    assert form in matmul.FORMS
+    blob = json.loads(matmul.cache_file().read_text())
+    assert blob["choices"] == {"float32:r4:300x64": form}
+    assert blob["machine"]["torch"] == torch.__version__ and blob["machine"]["cores"]
+    monkeypatch.setattr(matmul, "_choices", None)        # a new process: read from disk
+    monkeypatch.setattr(matmul, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert matmul.choose_form(4, w) == form               # same rows class, no new timing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_both_matmul_forms_give_the_same_product(tmp_path, monkeypatch, dtype, rows):
+    from flashspec import matmul
+    monkeypatch.setenv("FLASHSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(matmul, "_choices", None)
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(70, 33, generator=g).to(dtype), torch.randn(70, generator=g).to(dtype)
+    x = torch.randn(2, rows // 2 or 1, 33, generator=g).to(dtype) if rows > 1 else \
+        torch.randn(1, 1, 33, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x, w, b)
+    for form in (None, "xwt", "wxt"):
+        torch.testing.assert_close(matmul.linear(x, w, b, form=form), want)
+    try:
+        matmul.pin_form("wxt")
+        torch.testing.assert_close(matmul.linear(x, w, b), want)
+    finally:
+        matmul.pin_form(None)
+    with pytest.raises(FlashSpecError, match="matmul form"):
+        matmul.linear(x, w, b, form="fast")
