@@ -30,8 +30,8 @@ def check_prompts(prompts: Any, vocab_size: int) -> None:
             raise FlashSpecError(f"prompt {i} is a {type(prompt).__name__}, not a sequence of "
                                  "token ids; tokenize the text first")
         if len(prompt) == 0:
-            raise FlashSpecError(f"prompt {i} is empty; every prompt needs at least one token "
-                                 "(e.g. BOS)")
+            raise FlashSpecError(f"empty prompt: prompt {i} has no tokens; every prompt needs "
+                                 "at least one (e.g. BOS)")
         for j, tok in enumerate(prompt):
             if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
                 raise FlashSpecError(f"prompt {i} position {j} is {tok!r} "
@@ -47,8 +47,8 @@ def _check_tensor(i: int, prompt: torch.Tensor, vocab_size: int) -> None:
         raise FlashSpecError(f"prompt {i} is a {prompt.dtype} tensor; token ids must be an "
                              "integer tensor (e.g. torch.long)")
     if prompt.dim() != 1 or prompt.numel() == 0:
-        raise FlashSpecError(f"prompt {i} has shape {tuple(prompt.shape)}; each prompt must be a "
-                             "non-empty 1-D tensor of token ids")
+        raise FlashSpecError(f"prompt {i} has shape {tuple(prompt.shape)} (an empty prompt or not "
+                             "1-D); each prompt must be a non-empty 1-D tensor of token ids")
     lo, hi = int(prompt.min()), int(prompt.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi

@@ -188,7 +188,7 @@ def test_smallest_temperature_stays_finite_in_every_dtype():
 
 
 @pytest.mark.parametrize("prompts, match", [
-    ([], "empty"), ("hello", "tokenize"), ([[]], "prompt 0 is empty"),
+    ([], "empty"), ("hello", "tokenize"), ([[]], "empty prompt: prompt 0"), ([[1], torch.tensor([], dtype=torch.long)], "prompt 1 has shape"),
     ([[1, 2], [3, 2.0]], r"prompt 1 position 1 is 2\.0"), ([[1, True]], "position 1 is True"),
     ([[1, 100]], "token id 100, outside"), ([[-1]], "token id -1"), (["abc"], "tokenize"),
     ([torch.tensor([1.0, 2.0])], "float32 tensor"), ([torch.tensor([[1, 2]])], "shape"),
