@@ -267,7 +267,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     resolved = {"arms": plan.arm_names, "gammas": sorted({int(n.rsplit("@", 1)[1]) for n in
                                                          plan.arm_names if "@" in n}),
                 "head": plan.head, "methods": [m.name for m in methods]}
-    with run_dir(cfg, exp.records, {"resolved": resolved}) as run:
+    with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
         if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start

@@ -25,7 +25,9 @@ from flashspec.engine import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
-from flashspec.records import NullLogger, RecordWriter, provenance
+from flashspec.data import data_hash
+from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
+                               provenance)
 from flashspec.verify import get_backend
 
 log = logging.getLogger("flashspec")
@@ -133,6 +135,8 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
     (contradictions inside a group fail there), and settings a chosen component would ignore
     are refused. ``overrides`` are the command line's (``head=...``, ``head.rank=...``)."""
     hardware(cfg)
+    if cfg.get("resume", "check") not in RESUME_MODES:
+        raise FlashSpecError(f"resume={cfg.resume}; choose one of {', '.join(RESUME_MODES)}")
     if "dataset" in cfg:
         prompt_set(cfg)
     if "head" in cfg:
@@ -182,17 +186,27 @@ def _wandb_id(path: Path) -> str:
 
 
 class RunDir:
-    """One run's directory: a record writer, the provenance every record carries, and the
-    logger (a W&B run, or the do-nothing logger)."""
+    """One run's directory, held by one process (a lock naming its pid): tied to one config
+    (``resume=check`` refuses a directory whose stored config differs, naming the keys;
+    ``resume=accept`` continues with the new one, ``resume=fresh`` archives the old run), a
+    record writer, the provenance every record carries (config and prompt-data hashes), and the
+    logger (a W&B run that a resumed directory continues, or the do-nothing logger)."""
 
-    def __init__(self, cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None,
+                 data: str | None = None) -> None:
         self.path = Path(cfg.output_dir)
         self.seed = int(cfg.seed)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.lock = RunLock(self.path).acquire()
+        try:
+            self.resume = _check_resume(self.path, self.config, str(cfg.get("resume", "check")))
+        except BaseException:
+            self.lock.release()
+            raise
         self.writer = RecordWriter(self.path / records)
-        self.provenance = provenance(self.config, int(cfg.seed))
+        self.provenance = provenance(self.config, int(cfg.seed),
+                                     data_hash=data_hash(data) if data else None)
         self.info = job_info(cfg)
         self.logger = NullLogger()
         if "logger" in cfg:
@@ -213,12 +227,37 @@ class RunDir:
         self.writer.write({**record, "provenance": self.provenance})
 
 
+def _check_resume(path: Path, config: dict, mode: str):
+    """``check_resume``, keeping ``.hydra/`` describing the records: Hydra rewrites it at every
+    start, so the copy taken when the directory's config was last accepted is put back when a
+    different config is refused."""
+    import shutil
+    hydra_dir, kept = path / ".hydra", path / ".hydra.accepted"
+    try:
+        info = check_resume(path, config, mode)
+    except FlashSpecError:
+        if kept.is_dir() and hydra_dir.is_dir():
+            shutil.rmtree(hydra_dir)
+            shutil.copytree(kept, hydra_dir)
+        raise
+    if hydra_dir.is_dir():
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(hydra_dir, kept)
+    if info.status != "new":
+        log.info("run directory %s: %s (config %s)%s", path, info.status, info.config_hash[:12],
+                 f"; changed: {', '.join(info.changed)}" if info.changed else "")
+    return info
+
+
 @contextmanager
-def run_dir(cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None
-            ) -> Iterator[RunDir]:
-    """A :class:`RunDir` whose logger is finished however the run ends."""
-    run = RunDir(cfg, records, extra_config)
+def run_dir(cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None,
+            data: str | None = None) -> Iterator[RunDir]:
+    """A :class:`RunDir` whose logger is finished and lock released however the run ends."""
+    run = RunDir(cfg, records, extra_config, data)
     try:
         yield run
     finally:
-        run.logger.finish()
+        try:
+            run.logger.finish()
+        finally:
+            run.lock.release()

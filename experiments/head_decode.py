@@ -210,7 +210,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     iters = 5 if cfg.smoke else int(exp.timing_iters)
     latencies = {name: head_latency(d.head, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}
-    with run_dir(cfg, "records.jsonl") as run:
+    with run_dir(cfg, "records.jsonl", data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
         for m in methods:

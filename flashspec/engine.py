@@ -259,6 +259,8 @@ class SpecEngine:
         if seed is not None:
             self.seed, self.calls = int(seed), 0
             self.generator.manual_seed(int(seed))
+        from flashspec.inputs import check_generate_inputs
+        check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
         if max_new_tokens < 1:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0, capture0 = time.perf_counter(), self.capture_s

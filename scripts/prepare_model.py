@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert the embedded SmolLM2-135M-Instruct GGUF to a local safetensors cache (idempotent).
 
-    python scripts/prepare_model.py          # -> .cache/models/smollm2-135m-instruct/
+    python scripts/prepare_model.py   # -> .cache/models/SmolLM2-135M-Instruct.Q4_1-<sha256[:16]>/
 
 Later loads read the safetensors directory in about a second instead of dequantising the GGUF.
 """
