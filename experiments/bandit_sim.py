@@ -29,7 +29,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     policies = OmegaConf.to_container(exp.policies, resolve=True)
     jobs = _jobs(exp, policies, size, int(cfg.seed))
     results: dict[str, dict[str, float]] = {}
-    with run_dir(cfg, exp.records, f"bandit_sim_seed{cfg.seed}") as run:
+    with run_dir(cfg, exp.records) as run:
         done = run.done_keys("kind", "scenario", "policy")
         bar = tqdm(jobs, desc="bandit_sim", disable=not exp.progress)
         for scn, rewards, label in bar:
@@ -172,7 +172,7 @@ def _figure(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flashspec.bandits.plot import plot_regret
+    from flashspec.analysis.bandit_plot import plot_regret
     plt.close(plot_regret(records, path))
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,19 +17,26 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments.harness import (RunDir, build_arms, build_drafters, draft_context, engine_options,
-                                 load_target, make_planner, make_policy, prompt_set, run_dir)
+from experiments.harness import (RunDir, build, build_arms, build_drafters, draft_context,
+                                 engine_options, head_axis_used, load_target, make_planner,
+                                 make_policy, prompt_set, run_dir)
 from flashspec.bandits import Policy
 from flashspec.data import Prompt, chat_ids
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
-from flashspec.metrics import (bandit_vs_fixed, format_bandit_vs_fixed, format_table, percentile,
-                               rates, summarize)
+from flashspec.analysis.head_timing import head_latency
+from flashspec.bandits import FixedArm
+from flashspec.heads import FullHeadChoice, LowRankChoice, resolve_rank
+from flashspec.metrics import (bandit_vs_fixed, decode_stats, format_bandit_vs_fixed, format_table,
+                               mean_step_reward, method_records, percentile, pick_counts,
+                               pseudo_regret, rates, summarize)
+from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
 from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_compiled", "hf_prompt_lookup")
+REFERENCES = ("each_arm", "full_head")   # what the job's metrics compare against (regret, ρ_τ)
 HF_METHODS = {"hf_generate": {}, "hf_compiled": {"cache_implementation": "static"},
               "hf_prompt_lookup": {}}
 
@@ -80,7 +88,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
                 gen = hf_model.generate(ids, **kwargs)
             wall = time.perf_counter() - t0
             toks = gen[0, len(p):].tolist()
-            out.append({"tokens": toks, "wall_s": wall, "decode_s": wall, "steps": len(toks),
+            out.append({"tokens": toks, "wall_s": wall, "decode_s": wall, "steps": 0,
                         "n_proposed": 0, "n_accepted": 0, "accept_hist": [], "arms": [],
                         "rewards": []})
         return out
@@ -94,36 +102,120 @@ def spec_name(arms: list[Arm], policy: Policy) -> str:
     return f"spec:bandit:{policy.label}"
 
 
-def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eos: list[int]) -> list[Method]:
-    """The methods named in ``experiment.methods``, sharing one target model."""
+@dataclass
+class Plan:
+    """The methods of one decode job and what each one is for.
+
+    ``spec``: the configured method (policy over the arms) and ``extra``: more policies over the
+    same arms; ``arms``: each arm alone (the reference for regret), by arm index;
+    ``full_head``: the head-axis drafter's first arm with its full head (the ρ_τ reference) and
+    ``variant``: the same arm with the configured head; ``heads``: (variant, full) head modules
+    of that drafter (for ν and κ).
+    """
+
+    methods: list[Method]
+    arm_names: list[str]
+    spec: str | None = None
+    extra: list[str] = field(default_factory=list)
+    arms: dict[int, str] = field(default_factory=dict)
+    full_head: str | None = None
+    variant: str | None = None
+    heads: tuple | None = None
+    gamma: int = 0
+    head: dict[str, Any] = field(default_factory=dict)
+
+    def roles(self) -> dict[str, str]:
+        """Method name -> its role, the prefix of its metrics (identical across a sweep's jobs:
+        ``spec`` is the configured method whatever the policy is called)."""
+        out = {"ar": "ar", **{m.name: m.name for m in self.methods if m.name.startswith("hf_")},
+               **{m: f"arm/{self.arm_names[i]}" for i, m in self.arms.items()},
+               **{m: f"extra/{m.removeprefix('spec:bandit:')}" for m in self.extra}}
+        if self.full_head:
+            out[self.full_head] = "ref_full_head"
+        if self.spec:
+            out[self.spec] = "spec"
+        return out
+
+
+def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eos: list[int]) -> Plan:
+    """The methods named in ``experiment.methods`` plus the ``experiment.references`` the job's
+    metrics need (``each_arm``: every arm alone; ``full_head``: the head-axis drafter with its
+    full head), sharing one target model."""
     exp = cfg.experiment
-    unknown = [m for m in exp.methods if m not in METHODS]
+    wanted = list(exp.methods) + [r for r in exp.get("references") or [] if r not in exp.methods]
+    unknown = [m for m in wanted if m not in METHODS + REFERENCES]
     if unknown:
-        raise FlashSpecError(f"unknown decode method(s) {unknown}; choose from {list(METHODS)}")
+        raise FlashSpecError(f"unknown decode method(s) or reference(s) {unknown}; methods: "
+                             f"{list(METHODS)}, references: {list(REFERENCES)}")
     kw = engine_options(cfg, params, eos)
-    methods: list[Method] = []
+    plan = Plan(methods=[], arm_names=[])
     arms: list[Arm] = []
-    if {"spec", "each_arm"} & set(exp.methods):
-        drafters = build_drafters(cfg.drafters, draft_context(cfg, target, tokenizer))
+    reward_kind = "alpha"
+    if {"spec", "each_arm", "full_head"} & set(wanted):
+        ctx = draft_context(cfg, target, tokenizer)
+        drafters = build_drafters(cfg.drafters, ctx)
         arms = build_arms(cfg.drafters, drafters)
-    for m in exp.methods:
+        plan.arm_names = [a.name for a in arms]
+        reward_kind = make_policy(cfg.bandit, len(arms), int(cfg.seed)).reward_kind
+    for m in wanted:
         if m == "ar":
-            methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
+            plan.methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
         elif m == "spec":
-            for cfg_bandit in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]:
+            for k, cfg_bandit in enumerate([cfg.bandit, *(exp.get("extra_bandits") or {}).values()]):
                 policy = make_policy(cfg_bandit, len(arms), int(cfg.seed))
                 planner = make_planner(cfg)
                 name = spec_name(arms, policy) + ("" if planner is None else "+goodput")
-                methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
+                if k == 0:
+                    plan.spec = name
+                else:
+                    plan.extra.append(name)
+                plan.methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
-            methods += [engine_method(f"spec:{a.name}", SpecEngine(target, [a], **kw)) for a in arms]
+            for i, a in enumerate(arms):
+                plan.arms[i] = f"spec:{a.name}"
+                if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
+                    continue
+                fixed = FixedArm(1, reward=reward_kind)   # rewards in the policy's own kind
+                plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw)))
+        elif m == "full_head":
+            _full_head_reference(cfg, plan, ctx, drafters, arms, kw)
         else:
             lookup = int(exp.hf_prompt_lookup_tokens) if m == "hf_prompt_lookup" else None
-            methods.append(hf_method(m, _hf_model(cfg, target), params, eos, lookup, HF_METHODS[m]))
-    names = [m.name for m in methods]
+            plan.methods.append(hf_method(m, _hf_model(cfg, target), params, eos, lookup, HF_METHODS[m]))
+    names = [m.name for m in plan.methods]
     if len(set(names)) != len(names):
         raise FlashSpecError(f"two methods share a name: {names}")
-    return methods
+    return plan
+
+
+def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms: list[Arm],
+                         kw: dict) -> None:
+    """The ρ_τ reference: the first arm whose drafter takes the run's head choice, run with
+    that drafter's full head (same backbone, same γ, same prompts)."""
+    entries = cfg.drafters.drafters
+    for i, arm in enumerate(arms):
+        if arm.drafter is None or not head_axis_used({"drafters": {arm.drafter.name: entries[arm.drafter.name]}}):
+            continue
+        full = build(entries[arm.drafter.name], _partial_=True)(
+            ctx=ctx, name=arm.drafter.name, head=FullHeadChoice())
+        name = f"ref_full_head:{arm.name}"
+        plan.methods.append(engine_method(name, SpecEngine(ctx.target, [Arm(full, arm.gamma)], **kw)))
+        plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.name}", arm.gamma
+        plan.heads = (arm.drafter.head, full.head)
+        choice = build(cfg.head)
+        rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
+            if isinstance(choice, LowRankChoice) else None
+        plan.head = {"drafter": arm.drafter.name, "kind": choice.kind, "rank": rank,
+                     "params": module_size(arm.drafter.head), "full_params": module_size(full.head)}
+        if plan.variant not in plan.arms.values():   # the variant arm alone runs as a reference too
+            plan.arms[i] = plan.variant
+            plan.methods.append(engine_method(plan.variant, SpecEngine(ctx.target, [arm], **kw)))
+        return
+
+
+def module_size(module: torch.nn.Module) -> int:
+    """Parameters and buffers of a head (a cast copy of the full head keeps its weight as a buffer)."""
+    return sum(t.numel() for t in [*module.parameters(), *module.buffers()])
 
 
 _HF_CACHE: dict = {}
@@ -159,7 +251,7 @@ def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """Decode every prompt with every method; returns the summary rows."""
+    """Decode every prompt with every method; returns the summary rows and the job metrics."""
     torch.manual_seed(int(cfg.seed))
     exp = cfg.experiment
     if int(exp.batch_size) < 1:
@@ -170,8 +262,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     prompts = dataset.load(1 if cfg.smoke else None)
     target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    methods = build_methods(cfg, target, tokenizer, params, eos)
-    with run_dir(cfg, exp.records, _run_name()) as run:
+    plan = build_methods(cfg, target, tokenizer, params, eos)
+    methods, roles = plan.methods, plan.roles()
+    resolved = {"arms": plan.arm_names, "gammas": sorted({int(n.rsplit("@", 1)[1]) for n in
+                                                         plan.arm_names if "@" in n}),
+                "head": plan.head, "methods": [m.name for m in methods]}
+    with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
         if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start
@@ -182,10 +278,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 m.run(warm, 4, None)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
+        log.info("decoding %d prompts of %s with %d methods: %s", len(prompts), dataset.name,
+                 len(methods), ", ".join(m.name for m in methods))
         with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
             for bi, batch in enumerate(batches):
                 for m in _order(methods, bi, bool(exp.get("rotate_methods", True))):
-                    _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done)
+                    _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done,
+                                  roles.get(m.name, m.name))
                     bar.update()
         from flashspec.records import read_records
         records = list(read_records(run.writer.path))
@@ -196,10 +295,58 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             log.info("%s", format_bandit_vs_fixed(cmp))
             run.logger.summary({f"pooled/{k}": cmp[k] for k in ("vs_best_fixed", "vs_mean_fixed")})
         _stream_figure(records, cfg, run.path)
+        job, regret = job_metrics(records, plan, target, 5 if cfg.smoke else int(exp.timing_iters))
+        log.info("job metrics:\n%s", "\n".join(f"  {k} = {_fmt(v)}" for k, v in job.items()))
+        for step, value in enumerate(regret):   # x axis: regret/t
+            run.logger.log({"regret/t": step + 1, "regret/cumulative": value})
         run.logger.table("summary", rows)
-        run.logger.summary({f"{r['dataset']}/{r['method']}/{k}": r[k] for r in rows
-                            for k in ("alpha", "tau", "tps", "speedup") if r[k] is not None})
-    return {"summary": rows, "records": str(run.writer.path)}
+        run.logger.summary(job)
+        (run.path / "job_metrics.json").write_text(json.dumps(job, indent=1, default=str))
+    return {"summary": rows, "job": job, "records": str(run.writer.path)}
+
+
+def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[dict[str, Any], list[float]]:
+    """The papers' quantities of one job under flat keys (identical across jobs of a sweep):
+    ``<role>/{alpha,tau,tps,decode_tps,speedup,step_p50_s,step_p99_s}`` for ar, spec,
+    ref_full_head, each arm (``arm/<name>/...``), extra policies and HF baselines; ``rho_tau``,
+    ``nu``, ``kappa``, ``rho_tps_pred``, ``rho_tps_meas``; ``regret/final`` and the per-step
+    series; ``arm_picks/<arm>``; the head's rank and size."""
+    ar = method_records(records, "ar")
+    job: dict[str, Any] = {}
+    for method, role in plan.roles().items():
+        recs = method_records(records, method)
+        if recs:
+            job.update({f"{role}/{k}": v for k, v in decode_stats(recs, ar).items() if v is not None})
+    regret: list[float] = []
+    if plan.spec and plan.arms:
+        means = [mean_step_reward(method_records(records, plan.arms[i])) if i in plan.arms else None
+                 for i in range(len(plan.arm_names))]
+        spec = method_records(records, plan.spec)
+        regret = pseudo_regret(spec, means)
+        job["regret/final"] = regret[-1] if regret else 0.0
+        job.update({f"arm_picks/{name}": n for name, n in
+                    zip(plan.arm_names, pick_counts(spec, len(plan.arm_names)))})
+        job.update({f"arm_mean_reward/{name}": m for name, m in zip(plan.arm_names, means)
+                    if m is not None})
+    if plan.full_head and plan.heads is not None:
+        variant, full = method_records(records, plan.variant), method_records(records, plan.full_head)
+        tau_v, tau_f = decode_stats(variant)["tau"], decode_stats(full)["tau"]
+        lat_v, lat_f = (head_latency(h, target.shape.hidden_size, target.device, target.dtype, iters)
+                        for h in plan.heads)
+        steps = sum(r["steps"] for r in full)
+        step_s = sum(r["decode_s"] for r in full) / steps if steps else None
+        if tau_v and tau_f and step_s:
+            job["rho_tau"] = tau_v / tau_f
+            job["nu"] = lat_v / lat_f
+            job["kappa"] = kappa(plan.gamma, lat_f, step_s)
+            job["rho_tps_pred"] = rho_tps(job["rho_tau"], job["nu"], job["kappa"])
+            job["rho_tps_meas"] = decode_stats(variant)["decode_tps"] / decode_stats(full)["decode_tps"]
+        job.update({f"head/{k}": v for k, v in plan.head.items() if v is not None})
+    return job, regret
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _order(methods: list[Method], batch_id: int, rotate: bool) -> list[Method]:
@@ -216,7 +363,7 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
         return
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.bandits.stream_plot import plot_stream
+    from flashspec.analysis.bandit_stream_plot import plot_stream
     from experiments.harness import arm_pairs
     plot_stream(records, [f"{name}@{gamma}" for name, gamma in arm_pairs(cfg.drafters)],
                 out_dir / "stream.png")
@@ -224,7 +371,7 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
 
 
 def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer, max_new: int,
-                  params: SamplingParams, run: RunDir, done: set) -> None:
+                  params: SamplingParams, run: RunDir, done: set, role: str | None = None) -> None:
     """All turns of one batch of prompts with one method (turn 2 follows the method's own answer)."""
     if all((method.name, p.id, t) in done for p in batch for t in range(len(p.turns))):
         return
@@ -241,8 +388,8 @@ def _decode_batch(method: Method, batch: list[Prompt], batch_id: int, tokenizer,
                 continue
             rec = _record(method.name, p, turn, prompt_ids, st, text, batch_id, len(rows), params)
             run.write(rec)
-            run.logger.log({f"{p.dataset}/{method.name}/{k}": rec[k] for k in ("tps", "alpha", "tau")
-                        if rec[k] is not None})
+            run.logger.log({f"prompt/{role or method.name}/{k}": rec[k]
+                            for k in ("tps", "alpha", "tau") if rec[k] is not None})
 
 
 def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, text: str,
@@ -263,11 +410,3 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
             "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
             "tokens": st["tokens"], "text": text}
-
-
-def _run_name() -> str | None:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        return HydraConfig.get().job.override_dirname or "default"
-    except Exception:
-        return None

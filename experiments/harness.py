@@ -25,7 +25,10 @@ from flashspec.engine import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
-from flashspec.records import NullLogger, RecordWriter, provenance
+from flashspec.data import data_hash
+from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
+                               provenance)
+from flashspec.verify import get_backend
 
 log = logging.getLogger("flashspec")
 
@@ -57,13 +60,15 @@ def load_target(cfg: DictConfig):
     """(model, tokenizer) of the target; ``hardware.fused_layers`` swaps the fused decode layers in."""
     model, tokenizer = build(cfg.target)
     if hardware(cfg).fused_layers:
-        model.fuse()
+        from flashspec.models.fused import fuse_model   # Triton: only when asked for
+        fuse_model(model)
     return model, tokenizer
 
 
 def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
     hw = hardware(cfg)
-    return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype)
+    return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype,
+                        kernels=hw.kernels)
 
 
 def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
@@ -112,8 +117,8 @@ def make_planner(cfg: DictConfig) -> WidthPlanner | None:
 def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
     """SpecEngine keyword arguments shared by every method of a run."""
     hw = hardware(cfg)
-    return dict(params=params, backend=hw.verify_backend, seed=int(cfg.seed), eos_ids=eos,
-                graphs=hw.cuda_graphs, compile=hw.compile_step)
+    return dict(params=params, backend=get_backend(hw.verify_backend, hw.kernels),
+                seed=int(cfg.seed), eos_ids=eos, graphs=hw.cuda_graphs, compile=hw.compile_step)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -130,6 +135,8 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
     (contradictions inside a group fail there), and settings a chosen component would ignore
     are refused. ``overrides`` are the command line's (``head=...``, ``head.rank=...``)."""
     hardware(cfg)
+    if cfg.get("resume", "check") not in RESUME_MODES:
+        raise FlashSpecError(f"resume={cfg.resume}; choose one of {', '.join(RESUME_MODES)}")
     if "dataset" in cfg:
         prompt_set(cfg)
     if "head" in cfg:
@@ -147,20 +154,71 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
 
 
 # ----------------------------------------------------------------------------- the run directory
-class RunDir:
-    """One run's directory: a record writer, the provenance every record carries, and the
-    logger (a W&B run, or the do-nothing logger)."""
+def job_info(cfg: DictConfig) -> dict[str, Any]:
+    """What identifies this job among its sweep: the sweep (or run) folder as the W&B group,
+    the command-line overrides as swept values, the group choices as tags, and a run name."""
+    from hydra.core.hydra_config import HydraConfig
+    out_dir = Path(cfg.output_dir)
+    info: dict[str, Any] = {"group": out_dir.name, "swept": {}, "choices": {}, "name": out_dir.name}
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        if str(hc.mode) == "RunMode.MULTIRUN":
+            sweep = Path(hc.sweep.dir)
+            info["group"] = f"{sweep.parent.name}_{sweep.name}"
+        info["swept"] = dict(o.split("=", 1) for o in hc.overrides.task if "=" in o
+                             and not o.split("=", 1)[0].lstrip("+~").startswith(("hydra", "output_dir")))
+        info["choices"] = {k: v for k, v in hc.runtime.choices.items()
+                           if not k.startswith("hydra") and v is not None}
+        info["name"] = hc.job.override_dirname or "default"
+    if cfg.get("smoke"):
+        info["name"] = f"smoke-{info['name']}"
+    return info
 
-    def __init__(self, cfg: DictConfig, records: str, name: str | None = None) -> None:
+
+def _wandb_id(path: Path) -> str:
+    """This run directory's W&B run id (made once, kept in the directory: a resumed run
+    continues the same W&B run)."""
+    import secrets
+    file = path / "wandb_run_id"
+    if not file.exists():
+        file.write_text(secrets.token_hex(8))
+    return file.read_text().strip()
+
+
+class RunDir:
+    """One run's directory, held by one process (a lock naming its pid): tied to one config
+    (``resume=check`` refuses a directory whose stored config differs, naming the keys;
+    ``resume=accept`` continues with the new one, ``resume=fresh`` archives the old run), a
+    record writer, the provenance every record carries (config and prompt-data hashes), and the
+    logger (a W&B run that a resumed directory continues, or the do-nothing logger)."""
+
+    def __init__(self, cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None,
+                 data: str | None = None) -> None:
         self.path = Path(cfg.output_dir)
         self.seed = int(cfg.seed)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = OmegaConf.to_container(cfg, resolve=True)
+        self.lock = RunLock(self.path).acquire()
+        try:
+            self.resume = _check_resume(self.path, self.config, str(cfg.get("resume", "check")))
+        except BaseException:
+            self.lock.release()
+            raise
         self.writer = RecordWriter(self.path / records)
-        self.provenance = provenance(self.config, int(cfg.seed))
-        self.logger = build(cfg.logger, _partial_=True)(config=self.config, name=name,
-                                                        dir=str(self.path)) \
-            if "logger" in cfg else NullLogger()
+        self.provenance = provenance(self.config, int(cfg.seed),
+                                     data_hash=data_hash(data) if data else None)
+        self.info = job_info(cfg)
+        self.logger = NullLogger()
+        if "logger" in cfg:
+            lg = cfg.logger
+            tags = [*(lg.get("tags") or []), *(f"{k}={v}" for k, v in self.info["choices"].items()),
+                    *(["smoke"] if cfg.get("smoke") else [])]
+            config = {**self.config, "swept": self.info["swept"], **(extra_config or {})}
+            kwargs = dict(config=config, name=self.info["name"], dir=str(self.path))
+            if "group" in lg:   # a W&B logger: sweep group, experiment as job type, resumable
+                kwargs.update(group=lg.group or self.info["group"], tags=tags,
+                              job_type=str(cfg.experiment.name), id=_wandb_id(self.path))
+            self.logger = build(lg, _partial_=True)(**kwargs)
 
     def done_keys(self, *fields: str) -> set[tuple]:
         return self.writer.done_keys(*fields)
@@ -169,11 +227,37 @@ class RunDir:
         self.writer.write({**record, "provenance": self.provenance})
 
 
+def _check_resume(path: Path, config: dict, mode: str):
+    """``check_resume``, keeping ``.hydra/`` describing the records: Hydra rewrites it at every
+    start, so the copy taken when the directory's config was last accepted is put back when a
+    different config is refused."""
+    import shutil
+    hydra_dir, kept = path / ".hydra", path / ".hydra.accepted"
+    try:
+        info = check_resume(path, config, mode)
+    except FlashSpecError:
+        if kept.is_dir() and hydra_dir.is_dir():
+            shutil.rmtree(hydra_dir)
+            shutil.copytree(kept, hydra_dir)
+        raise
+    if hydra_dir.is_dir():
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(hydra_dir, kept)
+    if info.status != "new":
+        log.info("run directory %s: %s (config %s)%s", path, info.status, info.config_hash[:12],
+                 f"; changed: {', '.join(info.changed)}" if info.changed else "")
+    return info
+
+
 @contextmanager
-def run_dir(cfg: DictConfig, records: str, name: str | None = None) -> Iterator[RunDir]:
-    """A :class:`RunDir` whose logger is finished however the run ends."""
-    run = RunDir(cfg, records, name)
+def run_dir(cfg: DictConfig, records: str, extra_config: Mapping[str, Any] | None = None,
+            data: str | None = None) -> Iterator[RunDir]:
+    """A :class:`RunDir` whose logger is finished and lock released however the run ends."""
+    run = RunDir(cfg, records, extra_config, data)
     try:
         yield run
     finally:
-        run.logger.finish()
+        try:
+            run.logger.finish()
+        finally:
+            run.lock.release()

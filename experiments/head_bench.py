@@ -3,14 +3,14 @@
 Hydra: ``python run.py experiment=head_bench [hardware=h200] [smoke=true]``.
 Plain (torch only, e.g. on a GPU box without Hydra/W&B):
 ``python -m experiments.head_bench --device cuda --out DIR``.
-The measurement lives in :mod:`flashspec.heads.bench`; this file maps configs onto it.
+The measurement lives in :mod:`flashspec.analysis.head_bench`; this file maps configs onto it.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from flashspec.heads.bench import BenchConfig, main, run_bench
+from flashspec.analysis.head_bench import BenchConfig, main, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
          "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout",
@@ -35,7 +35,7 @@ def bench_config(cfg: Any) -> BenchConfig:
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
     from experiments.harness import run_dir
-    with run_dir(cfg, "head_bench.jsonl", f"head_bench_{cfg.hardware.name}") as run:
+    with run_dir(cfg, "head_bench.jsonl") as run:
         summary = run_bench(bench_config(cfg), cfg.output_dir, run.config, run.logger)
         run.logger.summary({"n_records": summary["n_records"]})
     return summary

@@ -20,7 +20,6 @@ Records: ``records.jsonl`` (one per prompt, turn and method, as experiment=decod
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,8 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice
 from flashspec.metrics import format_table, summarize
 from flashspec.records import RecordWriter, read_records
+from flashspec.analysis.head_timing import head_latency
+from flashspec.theory import kappa as kappa_of
 from flashspec.theory import rho_tps
 from flashspec.verify.sampling import SamplingParams
 
@@ -61,22 +62,6 @@ def build_variants(cfg: DictConfig, target, tokenizer) -> list[tuple[str, Any]]:
     return out
 
 
-def head_latency(drafter, hidden: int, device, dtype, iters: int) -> float:
-    """Median seconds of one head call on a single hidden vector (B = 1), in this process."""
-    head = drafter.head
-    h = torch.randn(1, hidden, device=device, dtype=dtype)
-    times = []
-    with torch.inference_mode():
-        for i in range(iters + 5):
-            t0 = time.perf_counter()
-            head(h)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= 5:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str, float],
               gamma: int, methods: dict[str, str],
               phases: dict[tuple[str, str], dict[str, float]] | None = None,
@@ -99,7 +84,7 @@ def head_rows(summary: list[dict], latencies: dict[str, float], step_s: dict[str
         if ref is None:
             continue
         t_head = latencies["full"]
-        kappa = gamma * t_head / max(step_s[dataset] - gamma * t_head, 1e-9)
+        kappa = kappa_of(gamma, t_head, step_s[dataset])
         lf = (loop or {}).get((dataset, full))
         pf = (phases or {}).get((dataset, full))
         for name, method in methods.items():
@@ -223,9 +208,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         methods.append(timed_method(engine_method(
             names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw)), clock))
     iters = 5 if cfg.smoke else int(exp.timing_iters)
-    latencies = {name: head_latency(d, target.shape.hidden_size, target.device, target.dtype, iters)
+    latencies = {name: head_latency(d.head, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}
-    with run_dir(cfg, "records.jsonl") as run:
+    with run_dir(cfg, "records.jsonl", data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
         for m in methods:
@@ -269,5 +254,5 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def _figure(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    from flashspec.heads.plot import plot_rho_tps
+    from flashspec.analysis.head_plot import plot_rho_tps
     plot_rho_tps(rows, path)

@@ -19,12 +19,14 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from flashspec.errors import FlashSpecError
+from flashspec.options import DEFAULT, KernelOptions
 from flashspec.records import NullLogger, RecordWriter, provenance
 from flashspec.verify import SamplingParams, reference
 
@@ -185,9 +187,11 @@ def compare(verify: Callable, args: tuple, params: SamplingParams, seeds: list[i
 
 # ----------------------------------------------------------------------------- one shape
 def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
-                bandwidth_gbs: float, compiled: Callable | None, seed: int) -> dict:
-    """Every measurement of one (B, γ, V)."""
+                bandwidth_gbs: float, compiled: Callable | None, seed: int,
+                options: KernelOptions = DEFAULT) -> dict:
+    """Every measurement of one (B, γ, V), the kernels run with ``options``."""
     from flashspec.verify import triton_backend as tb
+    verify = tb.make_backend(options).verify
     batch, gamma, vocab = shape
     dtype, draft = getattr(torch, knobs["dtype"]), knobs["draft"]
     cuda = device.type == "cuda"
@@ -199,36 +203,34 @@ def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
     params = SamplingParams(temperature=float(knobs["temperature"]))
     buffers = [make_inputs(batch, gamma, vocab, dtype, draft, params.temperature, device, gen)
                for _ in range(n_buf)]
-    run = lambda *b: tb.verify(*b, params, 3)                       # noqa: E731
-    variants = {"fused": lambda *a: tb.launch(*a, fused=True),
-                "unfused": lambda *a: tb.launch(*a, fused=False)}
+    run = lambda *b: verify(*b, params, 3)                          # noqa: E731
+    variants = {"fused": lambda *a: tb.launch(*a, fused=True, options=options),
+                "unfused": lambda *a: tb.launch(*a, fused=False, options=options)}
     ref = lambda *b: reference.verify(*b, params, 3)                # noqa: E731
     it, rit, wu = int(knobs["iters"]), int(knobs["ref_iters"]), int(knobs["warmup"])
     plan = tb.plan(batch, gamma, vocab)
+    direct = options.direct_launch and not tb.INTERPRET
     rec: dict[str, Any] = {"B": batch, "gamma": gamma, "V": vocab, "dtype": knobs["dtype"],
                            "draft": draft, "temperature": params.temperature, "n_buffers": n_buf,
                            "bytes_min": need, "device": str(device),
-                           "fused": tb._resolve_fused(None, plan),
-                           "direct_launch": tb.DIRECT_LAUNCH, "interpreted": tb.INTERPRET}
+                           "fused": tb._resolve_fused(None, plan, options),
+                           "direct_launch": direct, "interpreted": tb.INTERPRET}
     seeds = list(knobs["check_seeds"])
-    bad = compare(tb.verify, buffers[0], params, seeds, "default")
+    bad = compare(verify, buffers[0], params, seeds, "default")
     for name, fn in variants.items():
         bad += compare(fn, buffers[0], params, seeds, name)
     rec["identical"], rec["mismatches"] = not bad, bad
-    rec["tau"] = float(tb.verify(*buffers[0], params, 3)[1].float().mean()) + 1.0
+    rec["tau"] = float(verify(*buffers[0], params, 3)[1].float().mean()) + 1.0
     kernel = time_calls(run, buffers, it, wu, cuda)
     rec["kernel_us"] = statistics.median(kernel)
     rec["kernel_p90_us"] = sorted(kernel)[int(0.9 * (len(kernel) - 1))]
     for name, fn in variants.items():
         timed = lambda *b, fn=fn: fn(*b, params, 3)                 # noqa: E731
         rec[f"kernel_{name}_us"] = statistics.median(time_calls(timed, buffers, it, wu, cuda))
-    if tb.DIRECT_LAUNCH:                     # the same call through Triton's own launcher
-        tb.DIRECT_LAUNCH = False
-        try:
-            rec["kernel_triton_launch_us"] = statistics.median(
-                time_calls(run, buffers, it, wu, cuda))
-        finally:
-            tb.DIRECT_LAUNCH = True
+    if direct:                               # the same call through Triton's own launcher
+        binder = tb.make_backend(replace(options, direct_launch=False)).verify
+        rec["kernel_triton_launch_us"] = statistics.median(
+            time_calls(lambda *b: binder(*b, params, 3), buffers, it, wu, cuda))
     rec["ref_eager_us"] = statistics.median(time_calls(ref, buffers, rit, min(wu, 3), cuda))
     rec["ref_compiled_us"] = None
     if compiled is not None:
@@ -243,7 +245,7 @@ def bench_shape(knobs: dict, shape: tuple[int, int, int], device: torch.device,
     rec["speedup_compiled"] = (rec["ref_compiled_us"] / rec["kernel_us"]
                                if rec["ref_compiled_us"] else None)
     rec["floor_ratio"] = rec["kernel_us"] / rec["floor_us"]
-    rec["no_host_sync"] = no_host_sync(tb.verify, buffers[0], params) if cuda else None
+    rec["no_host_sync"] = no_host_sync(verify, buffers[0], params) if cuda else None
     rec["kernel_graph_us"], rec["graph_identical"] = None, None
     if cuda and int(knobs["graph_replays"]) > 0:
         gbad = []
@@ -285,7 +287,8 @@ def shapes_of(knobs: dict) -> list[tuple[int, int, int]]:
 
 
 def bench(knobs: dict, device: torch.device, bandwidth_gbs: float, out_dir: Path,
-          config: dict, seed: int, logger: NullLogger | None = None) -> dict:
+          config: dict, seed: int, logger: NullLogger | None = None,
+          options: KernelOptions = DEFAULT) -> dict:
     """All shapes; one JSONL record per shape (flushed), then the figure."""
     writer = RecordWriter(out_dir / RECORDS)
     compiled = compile_reference() if knobs.get("compile_ref") and device.type == "cuda" else None
@@ -297,7 +300,7 @@ def bench(knobs: dict, device: torch.device, bandwidth_gbs: float, out_dir: Path
         tqdm = lambda x, **k: x                                          # noqa: E731
     for shape in tqdm(shapes_of(knobs), desc="kernel_bench"):
         use = compiled if time.time() - t0 < float(knobs["time_budget_s"]) else None
-        rec = bench_shape(knobs, shape, device, bandwidth_gbs, use, seed)
+        rec = bench_shape(knobs, shape, device, bandwidth_gbs, use, seed, options)
         rec["compiled_skipped"] = compiled is not None and use is None
         if rec.get("compiled_error"):
             compiled = None                                  # failed once: eager only from here
@@ -377,7 +380,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def _warm_shape(job: tuple) -> str:
     """Compile every kernel variant one shape uses (fills Triton's on-disk cache)."""
-    knobs, shape, seed, device_name = job
+    knobs, shape, seed, device_name, options = job
     from flashspec.verify import triton_backend as tb
     batch, gamma, vocab = shape
     device = torch.device(device_name)
@@ -386,20 +389,20 @@ def _warm_shape(job: tuple) -> str:
     args = make_inputs(batch, gamma, vocab, getattr(torch, knobs["dtype"]), knobs["draft"],
                        params.temperature, device, gen)
     for fused in (True, False):
-        tb.launch(*args, params, 3, fused=fused)
+        tb.launch(*args, params, 3, fused=fused, options=options)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return f"{shape} compiled"
 
 
 def precompile(knobs: dict, shapes: list[tuple[int, int, int]], workers: int, seed: int,
-               device: torch.device) -> None:
+               device: torch.device, options: KernelOptions = DEFAULT) -> None:
     """Compile the kernels of all shapes in ``workers`` processes before timing anything."""
     import multiprocessing as mp
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
-        for msg in pool.imap_unordered(_warm_shape, [(knobs, s, seed, device.type)
-                                                          for s in shapes]):
+        for msg in pool.imap_unordered(_warm_shape, [(knobs, s, seed, device.type,
+                                                           options) for s in shapes]):
             print(f"precompile: {msg} at {time.time() - t0:.0f} s", flush=True)
 
 
@@ -407,7 +410,8 @@ def probe_direct() -> bool:
     """Direct launch (cached compiled kernels) gives the reference's answers: a few shapes,
     int and device seeds, every call after the first going through the cached handles."""
     from flashspec.verify import triton_backend as tb
-    assert tb.DIRECT_LAUNCH, "set FLASHSPEC_DIRECT_LAUNCH=1"
+    assert not tb.INTERPRET, "direct launch needs compiled kernels (a GPU)"
+    options = KernelOptions(direct_launch=True)
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     params = SamplingParams(temperature=1.0)
@@ -416,7 +420,7 @@ def probe_direct() -> bool:
         args = make_inputs(*shape, torch.bfloat16, "full", 1.0, device, gen)
         for fused in (True, False):
             for s in (0, 1, torch.tensor(5, device=device), 7):
-                got = tb.launch(*args, params, s, fused=fused)
+                got = tb.launch(*args, params, s, fused=fused, options=options)
                 want = reference.verify(*args, params, s)
                 same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
                 ok &= same
@@ -443,15 +447,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def kernel_options(hardware: dict) -> KernelOptions:
+    """The hardware config's ``kernels:`` mapping as KernelOptions (plain dict: the GPU box
+    reads the YAML without Hydra, so ``_target_`` is dropped rather than instantiated)."""
+    spec = dict(hardware.get("kernels") or {})
+    spec.pop("_target_", None)
+    return KernelOptions(**spec)
+
+
 def run(cfg: Any) -> dict:
     """Hydra entry: records + figure in cfg.output_dir, W&B through cfg.logger."""
     from experiments.harness import run_dir
-    with run_dir(cfg, RECORDS, f"kernel_bench_{cfg.hardware.name}") as run:
+    with run_dir(cfg, RECORDS) as run:
         conf = run.config
         device = pick_device(conf["hardware"]["device"])
         knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)
         summary = bench(knobs, device, float(conf["hardware"]["mem_bandwidth_gbs"]),
-                        run.path, conf, int(conf["seed"]), run.logger)
+                        run.path, conf, int(conf["seed"]), run.logger,
+                        kernel_options(conf["hardware"]))
     _gate(summary)
     return summary
 
@@ -477,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile-only", action="store_true",
                     help="with --precompile: compile, then exit (no timing)")
     ap.add_argument("--probe-direct", action="store_true",
-                    help="only check FLASHSPEC_DIRECT_LAUNCH=1 against the reference (GPU)")
+                    help="only check direct launch against the reference (GPU)")
+    ap.add_argument("--direct-launch", action="store_true",
+                    help="launch the cached compiled kernels directly (hardware.kernels."
+                         "direct_launch=true)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
     args = ap.parse_args(argv)
@@ -486,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     for kv in args.set:
         key, _, val = kv.partition("=")
         exp[key] = yaml.safe_load(val)
+    if args.direct_launch:
+        hw["kernels"] = {**(hw.get("kernels") or {}), "direct_launch": True}   # in the config
+    options = kernel_options(hw)
     device = pick_device(hw["device"])
     if args.probe_direct:
         return 0 if probe_direct() else 1
@@ -495,11 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     knobs = knobs_of(exp, args.smoke, device)
     if args.precompile > 0:
-        precompile(knobs, shapes_of(knobs), args.precompile, args.seed, device)
+        precompile(knobs, shapes_of(knobs), args.precompile, args.seed, device, options)
         if args.precompile_only:
             return 0
     summary = bench(knobs, device, float(hw["mem_bandwidth_gbs"]),
-                    args.out, conf, args.seed)
+                    args.out, conf, args.seed, options=options)
     print(summary)
     _gate(summary)
     return 0

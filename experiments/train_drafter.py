@@ -50,7 +50,7 @@ def run(cfg) -> dict[str, Any]:
     if isinstance(choice, LowRankChoice) and choice.init == "trained":   # what it starts from
         choice = replace(choice, init="svd")
     head = choice.build(target.lm_head_weight, None, "train_drafter")
-    with run_dir(cfg, "train_records.jsonl", "train_drafter") as run:
+    with run_dir(cfg, "train_records.jsonl") as run:
         return run_job(target, tokenizer, opts, head, run.logger, run.provenance)
 
 

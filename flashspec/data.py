@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flashspec.errors import FlashSpecError
+from flashspec.paths import repo_root
+
+log = logging.getLogger(__name__)
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
 STREAMS = DATASETS + ("mixed",)
@@ -65,11 +69,6 @@ class Prompt:
             if not isinstance(turn, str) or not turn.strip():
                 raise FlashSpecError(f"prompt {self.id!r} turn {i + 1} is empty; "
                                      "every turn needs non-blank text")
-
-
-def repo_root() -> Path:
-    """The repository holding this package."""
-    return Path(__file__).resolve().parents[1]
 
 
 def cache_dir() -> Path:
@@ -189,6 +188,62 @@ def chat_ids(tokenizer: Any, turns_so_far: Sequence[str],
     return [int(t) for t in enc["input_ids"]]
 
 
+def data_hash(names: str | Sequence[str], source: str = "local") -> str:
+    """sha256 (hex) naming the prompt data a run reads: over each dataset's name and file sha256
+    (checked against ``manifest.json``), so any change to a prompt file changes it. ``mixed``
+    stands for its three datasets; ``source='hub'`` hashes the hub rows instead."""
+    wanted = [names] if isinstance(names, str) else list(names)
+    parts: list[str] = []
+    for name in sorted({d for n in wanted for d in (DATASETS if n == "mixed" else (n,))}):
+        _check_name(name, DATASETS)
+        _check_name(source, SOURCES, what="source")
+        if source == "local":
+            digest = _verified_sha256(data_file(name))
+        else:
+            rows = json.dumps(_read_hub(name), sort_keys=True, default=str)
+            digest = "hub:" + hashlib.sha256(rows.encode()).hexdigest()
+        parts.append(f"{name}={digest}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified_sha256(path: Path) -> str:
+    """The file's sha256, checked against the entry ``scripts/prepare_data.py`` wrote to
+    ``manifest.json`` beside it (cached per path, size and mtime)."""
+    stat = path.stat()
+    return _verified_sha256_cached(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _verified_sha256_cached(path_str: str, size: int, mtime_ns: int) -> str:
+    path = Path(path_str)
+    digest = file_sha256(path)
+    manifest_path = path.parent / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise FlashSpecError(f"{manifest_path} is unreadable ({type(e).__name__}); delete it and "
+                             f"{PREPARE_HINT} --force") from e
+    entry = next((v for v in manifest.values()
+                  if isinstance(v, dict) and v.get("file") == path.name), None)
+    if entry is None or "sha256" not in entry:
+        log.warning("%s has no sha256 in %s; its content cannot be checked (rerun "
+                    "scripts/prepare_data.py --force to record it)", path, manifest_path)
+    elif entry["sha256"] != digest:
+        raise FlashSpecError(f"{path} differs from {manifest_path} (sha256 {digest[:12]}..., "
+                             f"recorded {str(entry['sha256'])[:12]}...): the prompt file changed "
+                             f"after it was prepared; delete it and {PREPARE_HINT}")
+    return digest
+
+
 def _check_name(value: str, allowed: Sequence[str], what: str = "dataset") -> None:
     if value not in allowed:
         raise FlashSpecError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
@@ -199,13 +254,27 @@ def _all_prompts(name: str, source: str, folder: str) -> tuple[Prompt, ...]:
     """Parsed prompts, cached per (dataset, source, cache folder)."""
     rows = _read_rows(name, source)
     make = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mtbench": _mtbench}[name]
-    return tuple(make(i, row) for i, row in enumerate(rows))
+    where = HUB.get(name, (name,))[0] if source == "hub" else data_file(name)
+    prompts = []
+    for i, row in enumerate(rows):
+        try:
+            prompts.append(make(i, row))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, FlashSpecError):
+                raise FlashSpecError(f"{where} row {i + 1}: {e}") from e
+            what = f"has no {e.args[0]!r} field" if isinstance(e, KeyError) else \
+                f"is malformed ({type(e).__name__}: {e})"
+            fix = f"delete it and {PREPARE_HINT}" if source == "local" else \
+                f"set dataset.source=local and {PREPARE_HINT}"
+            raise FlashSpecError(f"{where} row {i + 1} {what}; {fix}") from e
+    return tuple(prompts)
 
 
 def _read_rows(name: str, source: str) -> list[dict[str, Any]]:
     if source == "hub":
         return _read_hub(name)
     path = data_file(name)
+    _verified_sha256(path)
     try:
         with open(path, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]

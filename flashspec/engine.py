@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from flashspec.graphs import GraphedStep
 from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
-from flashspec.verify import get_backend
+from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
 
@@ -77,16 +77,16 @@ class SpecEngine:
 
     ``graphs=True`` runs the target's verify step through :class:`flashspec.graphs.GraphedStep`
     (static buffers, attention over the whole static cache; CUDA graphs on a GPU, with the fused
-    verify inside when the backend is 'triton' and no top-k/top-p warp is set); ``compile=True``
+    verify inside where the backend allows it: ``Backend.fuses_in_graph``); ``compile=True``
     also runs that step through ``torch.compile`` before capture (fewer, fused kernels).
     ``planner`` (:class:`flashspec.planner.WidthPlanner`) verifies only as many of the arm's γ
     drafts per step as pay for their cost (0: a plain target step).
     """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Policy | None = None,
-                 params: SamplingParams = SamplingParams(), backend: str = "torch", seed: int = 0,
-                 eos_ids: Sequence[int] = (), graphs: bool = False, compile: bool = False,
-                 planner: WidthPlanner | None = None) -> None:
+                 params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
+                 seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
+                 compile: bool = False, planner: WidthPlanner | None = None) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -104,7 +104,8 @@ class SpecEngine:
         if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
             raise FlashSpecError("an 'ar' arm (no speculation) proposes nothing, so only a policy "
                                  "rewarded by tokens per second (reward: tps) can score it")
-        self.verify = get_backend(backend)
+        self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions
+        self.verify = self.backend_impl.verify
         self.seed, self.calls = seed, 0
         self.eos_ids = set(eos_ids)
         self.generator = torch.Generator(device=target.device)
@@ -139,8 +140,7 @@ class SpecEngine:
             self._retired_capture_s = self.capture_s
             self.step_runner = None
         if self.graphs and self.step_runner is None:
-            fuse = self.backend == "triton" and self.params.top_k == 0 and self.params.top_p >= 1.0
-            self.step_runner = GraphedStep(self.target, self.cache, self.verify, self.params, fuse,
+            self.step_runner = GraphedStep(self.target, self.cache, self.backend_impl, self.params,
                                            compile=self.compile)
             self.step_runner.prepare(batch, self._step_widths())
         for arm in self.arms:
@@ -259,6 +259,8 @@ class SpecEngine:
         if seed is not None:
             self.seed, self.calls = int(seed), 0
             self.generator.manual_seed(int(seed))
+        from flashspec.inputs import check_generate_inputs
+        check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
         if max_new_tokens < 1:
             raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0, capture0 = time.perf_counter(), self.capture_s
@@ -288,9 +290,12 @@ class SpecEngine:
                 self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
                                      n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
-            if proposed or self.reward_kind == "tps":
-                r = reward(self.reward_kind, proposed, accepted,
-                           step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
+            # a drafter that proposed nothing (prompt lookup without a match) earned nothing: the
+            # policy hears it, or an unplayed-first index policy would pick that arm forever
+            empty = arm.drafter is not None and not proposed and self.reward_kind != "tps"
+            if proposed or empty or self.reward_kind == "tps":
+                r = 0.0 if empty else reward(self.reward_kind, proposed, accepted,
+                                             step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
                 for row, live in zip(rows, active):
                     if live:
                         row.rewards.append(r)

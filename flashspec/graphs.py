@@ -19,9 +19,8 @@ from typing import Any, Callable, Hashable
 import torch
 
 from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
-
-VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -43,10 +42,10 @@ class _Slot:
 class GraphedStep:
     """``step(tokens, positions, drafts, draft_logits, seed)`` of the target, replayed as a graph."""
 
-    def __init__(self, target: LlamaLM, cache: KVCache, verify: VerifyFn, params: SamplingParams,
-                 fuse_verify: bool, capture: bool = True, compile: bool = False) -> None:
-        self.target, self.cache, self.verify, self.params = target, cache, verify, params
-        self.fuse_verify = fuse_verify
+    def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
+                 capture: bool = True, compile: bool = False) -> None:
+        self.target, self.cache, self.verify, self.params = target, cache, backend.verify, params
+        self.fuse_verify = backend.fuses_in_graph(params)   # verify inside the captured graph
         # torch.compile fuses the many small element-wise kernels of a step (norms, RoPE, SiLU);
         # one compile with a symbolic width serves every captured shape
         self.forward = torch.compile(self._forward, dynamic=True) if compile else self._forward

@@ -1,11 +1,12 @@
 """Hardware profiles (``conf/hardware/*.yaml``): where models run and how the step is executed."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from flashspec.errors import FlashSpecError
+from flashspec.options import KernelOptions
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class Hardware:
     ``verify_backend`` names a registered verify backend; ``cuda_graphs`` runs the verify step
     (and model drafters' drafting) as CUDA graphs; ``compile_step`` torch.compiles that step
     first; ``fused_layers`` runs few-token cached steps through the fused decode layers.
-    ``mem_bandwidth_gbs`` / ``peak_tflops`` only feed memory floors in reports.
+    ``mem_bandwidth_gbs`` / ``peak_tflops`` only feed memory floors in reports; ``kernels``
+    are the Triton kernels' switches (:class:`flashspec.options.KernelOptions`).
     """
 
     name: str
@@ -28,6 +30,7 @@ class Hardware:
     fused_layers: bool = False
     mem_bandwidth_gbs: float = 20.0
     peak_tflops: float = 0.2
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 
 def alpha(n_accepted: int, n_proposed: int) -> float | None:
@@ -101,3 +101,61 @@ def format_bandit_vs_fixed(cmp: dict[str, Any]) -> str:
     lines.append(f"best bandit ({cmp['best_bandit']}) / best fixed ({cmp['best_fixed']}): "
                  f"{cmp['vs_best_fixed']:.3f}; / mean of fixed arms: {cmp['vs_mean_fixed']:.3f}")
     return "pooled tok/s over the run\n" + "\n".join(lines)
+
+
+def method_records(records: Iterable[dict[str, Any]], method: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("method") == method]
+
+
+def mean_step_reward(records: Iterable[dict[str, Any]]) -> float | None:
+    """Mean per-step reward over the records' steps (the ``rewards`` lists)."""
+    rewards = [x for r in records for x in (r.get("rewards") or [])]
+    return statistics.fmean(rewards) if rewards else None
+
+
+def pseudo_regret(records: Iterable[dict[str, Any]], arm_means: Sequence[float | None]) -> list[float]:
+    """Cumulative pseudo-regret Σ_t (μ* − μ_{a_t}) over the records' steps in order, against
+    the best fixed arm in hindsight: μ_k is arm k's mean per-step reward when it ran alone on
+    the same prompts (None: unmeasured, counted as μ*)."""
+    known = [m for m in arm_means if m is not None]
+    if not known:
+        return []
+    best, total, out = max(known), 0.0, []
+    for r in records:
+        for arm in r.get("arms") or []:
+            mu = arm_means[arm] if arm < len(arm_means) else None
+            total += best - (best if mu is None else mu)
+            out.append(total)
+    return out
+
+
+def pick_counts(records: Iterable[dict[str, Any]], n_arms: int) -> list[int]:
+    """How often each arm was played over the records' steps."""
+    counts = [0] * n_arms
+    for r in records:
+        for arm in r.get("arms") or []:
+            counts[arm] += 1
+    return counts
+
+
+def decode_stats(records: list[dict[str, Any]], baseline: list[dict[str, Any]] | None = None
+                 ) -> dict[str, float | None]:
+    """α, τ, TPS (pooled), decode TPS, step latency p50/p99 and speedup over ``baseline`` (median
+    of per-prompt TPS ratios) of one method's records. τ only where the method counts target
+    forwards (``steps``): HF baselines do not."""
+    steps = sum(r["steps"] for r in records)
+    acc = sum(r["n_accepted"] for r in records)
+    base = {(r["prompt_id"], r["turn"]): r["tps"] for r in baseline or []}
+    ratios = [r["tps"] / base[k] for r in records
+              if (k := (r["prompt_id"], r["turn"])) in base and base[k]]
+    decode_s = sum(r["decode_s"] for r in records)
+    p50 = [r["step_p50_s"] for r in records if r.get("step_p50_s") is not None]
+    p99 = [r["step_p99_s"] for r in records if r.get("step_p99_s") is not None]
+    measures_tau = all(r.get("tau") is not None for r in records)
+    return {**rates(acc, sum(r["n_proposed"] for r in records), steps),
+            **({} if measures_tau else {"tau": None}),
+            "tps": pooled_rate(records) if records else None,
+            "decode_tps": sum(r["n_new_tokens"] for r in records) / decode_s if decode_s else None,
+            "step_p50_s": statistics.median(p50) if p50 else None,
+            "step_p99_s": statistics.median(p99) if p99 else None,
+            "speedup": statistics.median(ratios) if ratios else None}

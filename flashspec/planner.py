@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flashspec.errors import FlashSpecError
-from flashspec.theory import expected_tau
 
 OBJECTIVES = ("makespan", "total")
 

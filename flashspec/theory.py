@@ -10,6 +10,11 @@ def rho_tps(rho_tau: float, nu: float, kappa: float) -> float:
     return rho_tau * (1.0 + kappa) / (1.0 + nu * kappa)
 
 
+def kappa(gamma: int, head_s: float, step_s: float) -> float:
+    """κ: full-head time per step (γ calls of ``head_s``) / the rest of a step of ``step_s``."""
+    return gamma * head_s / max(step_s - gamma * head_s, 1e-9)
+
+
 def expected_tau(alpha: float, gamma: int) -> float:
     """Expected tokens per target forward for i.i.d. acceptance rate α: (1 − α^{γ+1}) / (1 − α)."""
     if alpha >= 1.0:

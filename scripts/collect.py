@@ -28,11 +28,9 @@ import pandas as pd
 import pyarrow as pa
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.errors import FlashSpecError  # noqa: E402
-from flashspec.metrics import alpha, tau  # noqa: E402
-from flashspec.records import read_records  # noqa: E402
+from flashspec.errors import FlashSpecError
+from flashspec.metrics import alpha, tau
+from flashspec.records import read_records
 
 DECODE = "decode"
 BASELINE = "ar"

@@ -23,15 +23,14 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from flashspec.data import chat_ids, load_prompts  # noqa: E402
-from flashspec.heads import (FullHead, LowRankHead, TruncatedHead, agreement_metrics,  # noqa: E402
+from flashspec.data import chat_ids, load_prompts
+from flashspec.heads import (FullHead, LowRankHead, TruncatedHead, agreement_metrics,
                              check_disjoint, distill_lowrank, equal_cost_keep, resolve_rank,
                              save_frequencies, save_head, token_frequencies)
-from flashspec.heads.hidden import HeadData, collect_states, greedy_generate  # noqa: E402
-from flashspec.models import load_model  # noqa: E402
-from flashspec.records import RecordWriter, git_commit, provenance  # noqa: E402
+from flashspec.heads.hidden import HeadData, collect_states, greedy_generate
+from flashspec.models import load_model
+from flashspec.records import RecordWriter, git_commit, provenance
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (1 avoids stalls on a shared, busy CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "experiments/results/head_bench"))
+    p.add_argument("--out", default=str(ROOT / "outputs/head_distill"))
     p.add_argument("--heads-dir", default=str(ROOT / "outputs/heads"))
     p.add_argument("--freqs-out", default=None, help="token-frequency file (default: in --out)")
     p.add_argument("--smoke", action="store_true", help="seconds: 2+2 prompts, 8 tokens, 3 steps")

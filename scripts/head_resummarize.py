@@ -1,7 +1,10 @@
 """Recompute ``head_summary.jsonl`` and ``rho_tps.png`` of head_decode runs from their records,
 without decoding again (the heads' isolated latencies are read from the old summary).
 
-    python scripts/head_resummarize.py experiments/results/head_decode_v2/humaneval ...
+    python scripts/head_resummarize.py RUN_DIR [RUN_DIR ...]   # each with records.jsonl + head_summary.jsonl
+
+The committed experiments/results/head_decode*_v2/*/head_summary.jsonl were recomputed this way
+(``resummarized_at``); their per-prompt records.jsonl are on branch lab-notebook.
 """
 from __future__ import annotations
 
@@ -10,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments.head_decode import _figure, rows_from_records  # noqa: E402
-from flashspec.records import read_records  # noqa: E402
+from experiments.head_decode import _figure, rows_from_records
+from flashspec.records import read_records
 
 
 def resummarize(run_dir: Path, commit: str) -> int:

@@ -3,7 +3,7 @@
 
     python scripts/plot_decode_runs.py RUN_DIR [RUN_DIR ...] -o tps.png
 
-Each RUN_DIR holds a decode ``records.jsonl`` (e.g. experiments/results/decode_gpu/he_b1);
+Each RUN_DIR holds a decode ``records.jsonl`` (e.g. experiments/results/decode_gpu_fused/prefill_fused/he_b1);
 bars are grouped by run (labelled ``<dataset> B=<batch>``), one colour per method, log scale
 (HF eager and our graphed engine differ by more than 10x).
 """

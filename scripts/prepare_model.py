@@ -1,19 +1,16 @@
 #!/usr/bin/env python
 """Convert the embedded SmolLM2-135M-Instruct GGUF to a local safetensors cache (idempotent).
 
-    python scripts/prepare_model.py          # -> .cache/models/smollm2-135m-instruct/
+    python scripts/prepare_model.py   # -> .cache/models/SmolLM2-135M-Instruct.Q4_1-<sha256[:16]>/
 
 Later loads read the safetensors directory in about a second instead of dequantising the GGUF.
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flashspec.errors import FlashSpecError  # noqa: E402
-from flashspec.models.loading import smollm2_dir  # noqa: E402
+from flashspec.errors import FlashSpecError
+from flashspec.models.loading import smollm2_dir
 
 
 def main() -> int:

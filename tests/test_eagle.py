@@ -19,7 +19,7 @@ from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models import load_model
 from flashspec.models.llama import LlamaLM
-from flashspec.training.checkpoint import load_eagle, read_eagle_metadata, save_eagle
+from flashspec.drafters.eagle_checkpoint import load_eagle, read_eagle_metadata, save_eagle
 from flashspec.training.train import Batch, TrainConfig, forward_passes
 
 ROOT = Path(__file__).resolve().parents[1]

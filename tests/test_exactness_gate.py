@@ -12,18 +12,16 @@ each failure asserted below. Everything is seeded: results are deterministic.
 from __future__ import annotations
 
 import os
-import sys
 from importlib.util import find_spec
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # the tests/exactness helpers
 if not torch.cuda.is_available():                          # before triton kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/exactness: importable as `exactness` because pytest puts tests/ (no __init__.py) on sys.path
 from exactness.cases import ArmSpec, Case, build, run_case  # noqa: E402
 from exactness.choosers import PeekingDrafter, PolicyChooser, SwitchOnRejectChooser  # noqa: E402
 from exactness.planted import BUGS, make_verify  # noqa: E402

@@ -132,7 +132,7 @@ def test_fuse_merges_weights_as_views_and_keeps_state_dict():
     model = tiny_model(bias=True)
     keys = set(model.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.fuse()
+    fused.fuse_model(model)
     assert model.fused and set(model.state_dict()) == keys
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -150,7 +150,7 @@ def run_steps(model: LlamaLM, use_fused: bool, layers: list[int] | None = None
               ) -> tuple[list[torch.Tensor], KVCache]:
     """A prefill of 20 tokens, then ragged steps of 1, 3, 5 tokens,
     the last one ending at the cache's last slot."""
-    model.fused = use_fused
+    model.decode_layers = fused.LAYERS if use_fused else None
     g = torch.Generator().manual_seed(5)
     cache = model.new_cache(2, CAP, layers)
     steps = [torch.arange(20).expand(2, 20), torch.tensor([[20], [13]]),
@@ -163,13 +163,13 @@ def run_steps(model: LlamaLM, use_fused: bool, layers: list[int] | None = None
                 outs.append(model(toks, pos, cache))
             else:
                 outs.append(model.run_layers(model.embed_tokens(toks), pos, cache, layers))
-    model.fused = False
+    model.decode_layers = None
     return outs, cache
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_model_matches_reference(bias):
-    model = tiny_model(bias=bias).fuse()
+    model = fused.fuse_model(tiny_model(bias=bias))
     ref, ref_cache = run_steps(model, False)
     got, got_cache = run_steps(model, True)
     for r, o in zip(ref, got):
@@ -180,7 +180,7 @@ def test_fused_model_matches_reference(bias):
 
 def test_replaced_weights_are_not_served_stale():
     """A projection swapped after fuse() (no longer a view) is read directly, not merged."""
-    model = tiny_model().fuse()
+    model = fused.fuse_model(tiny_model())
     attn = model.layers[1].self_attn
     attn.k_proj.weight = torch.nn.Parameter(2 * attn.k_proj.weight, requires_grad=False)
     model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(-model.layers[0].mlp.up_proj.weight,
@@ -193,7 +193,7 @@ def test_replaced_weights_are_not_served_stale():
 
 def test_fused_layer_subset_with_own_cache():
     """Layer-skip drafting: a subset of layers with a cache holding only those layers."""
-    model = tiny_model(layers=3).fuse()
+    model = fused.fuse_model(tiny_model(layers=3))
     ref, _ = run_steps(model, False, layers=[0, 2])
     got, _ = run_steps(model, True, layers=[0, 2])
     for r, o in zip(ref, got):
@@ -201,7 +201,7 @@ def test_fused_layer_subset_with_own_cache():
 
 
 def test_reference_path_when_not_usable():
-    model = tiny_model().fuse()
+    model = fused.fuse_model(tiny_model())
     n = fused.MAX_TOKENS + 1
     x, pos = torch.zeros(1, n, 48), torch.arange(n)[None]
     assert not fused.usable(x, pos, model.new_cache(1, CAP))        # too many tokens
@@ -217,17 +217,17 @@ def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
 
 
 def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -> list:
-    model.fused = use_fused
+    model.decode_layers = fused.LAYERS if use_fused else None
     engine = SpecEngine(model, [arm], graphs=graphs)
     rows = engine.generate(prompts(lengths), 10).rows
-    model.fused = False
+    model.decode_layers = None
     return [(r.tokens, r.accept_hist) for r in rows]
 
 
 @pytest.mark.parametrize("kind,graphs,lengths", [("ar", False, (12, 7)), ("ngram", False, (25, 18)),
                                                  ("ngram", True, (12, 7)), ("skip", False, (20, 17))])
 def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
-    model = tiny_model().fuse()
+    model = fused.fuse_model(tiny_model())
     drafter = {"ar": None, "ngram": NgramDrafter(), "skip": ModelDrafter(model, [0], name="skip")}[kind]
     arm = Arm(drafter, 0 if drafter is None else 3)
     ref = generate(model, False, arm, graphs, lengths)
@@ -237,7 +237,7 @@ def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
 
 
 def test_eagle_drafter_fused_equals_reference():
-    model = tiny_model().fuse()
+    model = fused.fuse_model(tiny_model())
     module = EagleModule(model.shape)
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())

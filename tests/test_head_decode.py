@@ -5,7 +5,7 @@ import pytest
 
 from experiments.head_decode import _step_seconds, head_rows, loop_stats, phase_seconds
 from experiments.harness import arm_pairs
-from flashspec.bandits.stream_plot import stream
+from flashspec.analysis.bandit_stream_plot import stream
 from flashspec.theory import rho_tps
 
 

@@ -110,7 +110,7 @@ def test_default_config_tiles():
 
 
 def test_bench_times_triton_variant_only_on_cuda_and_small_batch():
-    from flashspec.heads.bench import BenchConfig, _variants
+    from flashspec.analysis.head_bench import BenchConfig, _variants
     cpu, gpu = BenchConfig(device="cpu"), BenchConfig(device="cuda")
     assert not cpu.triton_at(1) and gpu.triton_at(1) and gpu.triton_at(16)
     assert not gpu.triton_at(17) and not BenchConfig(device="cuda", triton=False).triton_at(1)
@@ -123,8 +123,7 @@ def test_bench_times_triton_variant_only_on_cuda_and_small_batch():
 def test_lowrank_head_on_cpu_keeps_f_linear(monkeypatch):
     """CPU tensors never reach the kernel (it would need the interpreter)."""
     monkeypatch.setattr(th, "skinny_matmul", lambda *a, **k: pytest.fail("kernel called"))
-    head = LowRankHead(torch.randn(6, 48), torch.randn(300, 6))
-    head.use_triton = True
+    head = LowRankHead(torch.randn(6, 48), torch.randn(300, 6), use_triton=True)
     h = torch.randn(2, 48)
     with torch.inference_mode():
         torch.testing.assert_close(head.cpu()(h), h @ head.w_down.T @ head.w_up.T)
@@ -137,8 +136,7 @@ def test_lowrank_head_dispatch_on_cuda(monkeypatch, rows):
     kernel = th.skinny_matmul
     monkeypatch.setattr(th, "skinny_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     x, w_up = make(rows, 5003, 72, torch.bfloat16)
-    head = LowRankHead(torch.randn(72, 200).to(DEVICE, torch.bfloat16), w_up)
-    head.use_triton = True
+    head = LowRankHead(torch.randn(72, 200).to(DEVICE, torch.bfloat16), w_up, use_triton=True)
     h = torch.randn(rows, 200, device=DEVICE, dtype=torch.bfloat16)
     with torch.inference_mode():
         y = head(h)

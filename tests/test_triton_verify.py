@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from flashspec.options import KernelOptions
 from flashspec.verify import SamplingParams, get_backend, reference, rng
 from flashspec.verify import triton_backend as tb
 from flashspec.verify import triton_kernels as K
@@ -336,16 +337,13 @@ def _same_both_merges(x, drafts, q, params, seed):
     x, drafts = x.to(DEVICE), drafts.to(DEVICE)
     q = None if q is None else q.to(DEVICE)
     for fuse_finish in (True, False):
-        old = tb.FUSE_FINISH
-        tb.FUSE_FINISH = fuse_finish
-        try:
-            ref = reference.verify(x, drafts, q, params, seed)
-            for fused in (True, False):
-                got = tb.launch(x, drafts, q, params, seed, geometry=RACE_PLAN, fused=fused)
-                assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (
-                    ref, got, fuse_finish, fused)
-        finally:
-            tb.FUSE_FINISH = old
+        options = KernelOptions(fuse_finish=fuse_finish)
+        ref = reference.verify(x, drafts, q, params, seed)
+        for fused in (True, False):
+            got = tb.launch(x, drafts, q, params, seed, geometry=RACE_PLAN, fused=fused,
+                            options=options)
+            assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), (
+                ref, got, fuse_finish, fused)
     return ref
 
 

@@ -9,6 +9,7 @@ import torch
 
 from flashspec.graphs import GraphCache
 from flashspec.models.llama import LlamaLM
+from flashspec.options import DEFAULT, KernelOptions
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -53,13 +54,14 @@ class DecodeState:
 
 @dataclass(frozen=True)
 class DraftContext:
-    """What a drafter builder may use: the target it drafts for, the target's tokenizer, and
-    where models run (device, dtype name)."""
+    """What a drafter builder may use: the target it drafts for, the target's tokenizer, where
+    models run (device, dtype name) and the kernel options (``head_triton`` for its head)."""
 
     target: LlamaLM
     tokenizer: Any = None
     device: str = "cpu"
     dtype: str = "float32"
+    kernels: KernelOptions = DEFAULT
 
 
 class Drafter(ABC):

@@ -227,11 +227,11 @@ class EagleDrafter(GraphedDrafting, Drafter):
         module (stored in the checkpoint) serves ``head=lowrank`` at its rank; ``head=full`` is
         the target's own head, kept in ``head_dtype`` when given (a bf16 copy halves the bytes
         per call on a CPU)."""
-        from flashspec.training.checkpoint import load_eagle
+        from flashspec.drafters.eagle_checkpoint import load_eagle
         target = ctx.target
         module, trained_head, _ = load_eagle(repo_path(checkpoint), target)
         trained = {trained_head.rank: trained_head} if isinstance(trained_head, LowRankHead) else {}
-        chosen = head.build(target.lm_head_weight, trained, drafter=name)
+        chosen = head.build(target.lm_head_weight, trained, name, ctx.kernels.head_triton)
         if chosen is None and head_dtype:
             chosen = CastHead(target.lm_head_weight, resolve_dtype(head_dtype))
         if target.fused:

@@ -40,7 +40,8 @@ class ModelDrafter(GraphedDrafting, Drafter):
         ``skip: [lo, hi)``. ``trained_heads`` maps a rank to a distilled head file of this drafter."""
         chosen = layer_set(name, ctx.target.shape.num_layers, first, skip, layers)
         trained = {int(r): load_head(repo_path(p))[0] for r, p in (trained_heads or {}).items()}
-        return cls(ctx.target, chosen, head=head.build(ctx.target.lm_head_weight, trained, name), name=name)
+        return cls(ctx.target, chosen, head=head.build(ctx.target.lm_head_weight, trained, name,
+                                           ctx.kernels.head_triton), name=name)
 
     @classmethod
     def separate(cls, ctx: DraftContext, name: str, source: str, dtype: str | None = None,
@@ -60,7 +61,8 @@ class ModelDrafter(GraphedDrafting, Drafter):
             raise FlashSpecError(f"drafter {name!r} has a different vocabulary/tokenizer than the "
                                  f"target ({model.shape.vocab_size} vs {vocab} ids); pick a drafter "
                                  "of the same model family")
-        return cls(model, None, head=head.build(model.lm_head_weight, None, name), name=name)
+        return cls(model, None, head=head.build(model.lm_head_weight, None, name, ctx.kernels.head_triton),
+                   name=name)
 
     def reset(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:

@@ -91,7 +91,7 @@ class FullHeadChoice:
                                  f"head=lowrank head.rank={self.rank} for a low-rank head")
 
     def build(self, weight: torch.Tensor, trained: Mapping[int, Head] | None = None,
-              drafter: str = "drafter") -> None:
+              drafter: str = "drafter", use_triton: bool = False) -> None:
         """None: the drafter keeps its own full head."""
         return None
 
@@ -118,7 +118,10 @@ class LowRankChoice:
             raise FlashSpecError(f"head.init={self.init!r} unknown; choose one of {', '.join(INITS)}")
 
     def build(self, weight: torch.Tensor, trained: Mapping[int, Head] | None = None,
-              drafter: str = "drafter", calibration: torch.Tensor | None = None) -> LowRankHead:
+              drafter: str = "drafter", use_triton: bool = False,
+              calibration: torch.Tensor | None = None) -> LowRankHead:
+        """The head for a drafter whose own full head is ``weight`` [V, d]; ``use_triton``:
+        the up projection through the Triton kernel on CUDA (``KernelOptions.head_triton``)."""
         vocab, hidden = weight.shape
         rank = resolve_rank(self.rank, hidden)
         log.info("head.rank=%s resolves to r=%d (d=%d)", self.rank, rank, hidden)
@@ -145,6 +148,7 @@ class LowRankChoice:
         else:
             head = LowRankHead.from_svd(weight, rank, calibration if self.init == "asvd" else None,
                                         self.layout)
+        head.use_triton = use_triton
         return head.to(device=weight.device, dtype=weight.dtype)
 
 
@@ -170,7 +174,8 @@ class TruncatedChoice:
             _check_rank_syntax(self.keep.split(":", 1)[1])
 
     def build(self, weight: torch.Tensor, trained: Mapping[int, Head] | None = None,
-              drafter: str = "drafter", frequencies: torch.Tensor | None = None,
+              drafter: str = "drafter", use_triton: bool = False,
+              frequencies: torch.Tensor | None = None,
               always_keep: Sequence[int] = ()
               ) -> TruncatedHead:
         vocab, hidden = weight.shape

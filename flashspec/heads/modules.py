@@ -7,7 +7,6 @@ head writes -inf outside its kept ids: those tokens have q = 0 and can never be 
 """
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import torch
@@ -18,10 +17,6 @@ from flashspec.matmul import linear
 
 
 LAYOUTS = ("out_in", "in_out")
-# FLASHSPEC_HEAD_TRITON=1: LowRankHead's up projection runs the Triton kernel on CUDA. Off by
-# default: on an H200 (CUDA-graph timing, B=1, bf16) cuBLAS was faster (44.7 vs 52.0 us at
-# V=128256, r=512; 22 vs 39 us at r=128; experiments/results/head_bench/h200_triton/).
-HEAD_TRITON = os.environ.get("FLASHSPEC_HEAD_TRITON", "0") == "1"
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -84,16 +79,19 @@ class FullHead(nn.Module):
 class LowRankHead(nn.Module):
     """SlimSpec head: logits = (h W_down^T) W_up^T, W_down [r, d], W_up [V, r]; dense matmuls.
 
-    Opt in (``head.use_triton = True`` or ``FLASHSPEC_HEAD_TRITON=1``): on CUDA with at most 16
+    Opt in (``use_triton=True``, from ``KernelOptions.head_triton``): on CUDA with at most 16
     rows and no autograd, the up projection (small r, huge V) runs a Triton kernel
-    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS; measured slower on an H200.
+    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS. Off by default: on an H200
+    (CUDA-graph timing, B=1, bf16) cuBLAS was faster (44.7 vs 52.0 us at V=128256, r=512;
+    22 vs 39 us at r=128; experiments/results/head_bench/h200_triton/).
     """
 
     kind = "lowrank"
-    use_triton: bool = HEAD_TRITON
 
-    def __init__(self, w_down: torch.Tensor, w_up: torch.Tensor, layout: str = "out_in") -> None:
+    def __init__(self, w_down: torch.Tensor, w_up: torch.Tensor, layout: str = "out_in",
+                 use_triton: bool = False) -> None:
         super().__init__()
+        self.use_triton = use_triton
         if w_down.dim() != 2 or w_up.dim() != 2 or w_down.shape[0] != w_up.shape[1]:
             raise FlashSpecError(f"low-rank head needs w_down [r, d] and w_up [V, r]; got "
                                  f"{tuple(w_down.shape)} and {tuple(w_up.shape)}")
@@ -104,7 +102,7 @@ class LowRankHead(nn.Module):
 
     @classmethod
     def from_svd(cls, weight: torch.Tensor, rank: int, calibration: torch.Tensor | None = None,
-                 layout: str = "out_in") -> "LowRankHead":
+                 layout: str = "out_in", use_triton: bool = False) -> "LowRankHead":
         """Training-free init from a truncated SVD of the full head W [V, d].
 
         Without ``calibration`` this is the best rank-r approximation of W (Eckart-Young).
@@ -123,7 +121,7 @@ class LowRankHead(nn.Module):
         root = s[:rank].sqrt()
         w_up = (u[:, :rank] * root).to(weight.dtype)
         w_down = (root[:, None] * vh[:rank]).to(weight.dtype)
-        return cls(w_down, w_up, layout)
+        return cls(w_down, w_up, layout, use_triton)
 
     @property
     def rank(self) -> int:

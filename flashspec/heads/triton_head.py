@@ -8,22 +8,22 @@ rows, accumulates in fp32 and writes y in x's dtype. One row: multiply and reduc
 cores; 2..16 rows: ``tl.dot`` with the rows padded to 16 (W still read once).
 
 Imported lazily by :class:`flashspec.heads.modules.LowRankHead` (CUDA only); on CPU tensors
-the kernel runs under ``TRITON_INTERPRET=1`` (tests).
+the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+imported; the tests).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from flashspec.options import interpreted
+
 MAX_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ELEMENTS = 1 << 31  # int32 offsets inside the kernel
-# the interpreter's tl.dot mishandles bf16 (numpy has none): it multiplies in fp32 instead
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,10 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     tl.store(y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn,
              acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+
+
+# the interpreter's tl.dot mishandles bf16 (numpy has none): it multiplies in fp32 instead
+INTERPRET = interpreted(_skinny_kernel)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, config: Config | None = None

@@ -22,7 +22,10 @@ positions (the attention loop bound is read inside the kernel), so every launch 
 capture in a CUDA graph. Rounding follows the reference: fp32 math inside each kernel, and in
 bf16/fp16 the intermediate values the reference rounds (normed states, cos/sin, the RoPE
 products, SiLU) are rounded the same way. The kernels run on CUDA tensors, or on CPU tensors
-under ``TRITON_INTERPRET=1`` (the tests).
+under Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported; the tests).
+
+They are swapped in at load: :func:`fuse_model` merges the weights and sets the model's
+``decode_layers`` to :data:`LAYERS`; :mod:`flashspec.models.llama` never imports this module.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ from torch import nn
 from triton.language.extra import libdevice
 
 from flashspec.matmul import linear
+from flashspec.models.llama import LlamaLM, Linear
+from flashspec.options import interpreted
 
 MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
 log = logging.getLogger(__name__)
@@ -187,7 +192,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inter + cols, (act * u).to(DT), mask=mask)
 
 
-INTERPRET = type(_silu_mul_kernel).__name__ == "InterpretedFunction"
+INTERPRET = interpreted(_silu_mul_kernel)    # how the kernels were built (not a switch)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -277,7 +282,6 @@ def _merge(modules: Sequence[nn.Module], name: str) -> torch.Tensor | None:
 
 def fusable(block: nn.Module) -> bool:
     """Whether every projection of ``block`` is a plain dense linear (not e.g. NF4)."""
-    from flashspec.models.llama import Linear
     attn, mlp = block.self_attn, block.mlp
     mods = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
             mlp.down_proj)
@@ -311,14 +315,14 @@ def _aliased(merged: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> bool
 
 def _merged(module: nn.Module, name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The merged weight ``name`` of ``module`` if still current, else None (separate matmuls;
-    warns once when a merged weight went stale, e.g. after ``.to()``: call ``fuse()`` again)."""
+    warns once when a merged weight went stale, e.g. after ``.to()``: fuse again)."""
     w = getattr(module, name, None)
     if _aliased(w, parts):
         return w
     if w is not None and name not in _warned:
         _warned.add(name)
         log.warning("merged %s no longer aliases its projections (moved or replaced after "
-                    "fuse()); using separate matmuls, call fuse() again", name)
+                    "fusing); using separate matmuls, fuse again (fuse_model / EagleModule.fuse)", name)
     return None
 
 
@@ -373,3 +377,40 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Te
     for block in blocks:
         residual, delta = block_step(block, residual, delta, positions, cache, inv_freq, rope_scale)
     return residual, delta
+
+
+class FusedLayers:
+    """The fused decode layers as :class:`flashspec.models.llama.DecodeLayers`."""
+
+    def usable(self, x: torch.Tensor, positions: torch.Tensor, cache) -> bool:
+        return usable(x, positions, cache)
+
+    def run(self, blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, cache,
+            inv_freq: torch.Tensor, rope_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return run_blocks(blocks, x, positions, cache, inv_freq, rope_scale)
+
+    def final_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
+                   ) -> torch.Tensor:
+        return add_rmsnorm(residual, delta, norm.weight, norm.eps)[1]
+
+
+LAYERS = FusedLayers()
+
+
+def fuse_model(model: LlamaLM, enabled: bool = True) -> LlamaLM:
+    """Run ``model``'s cached steps of at most ``MAX_TOKENS`` tokens per row (AR, verify,
+    drafting, prefill) through the fused decode kernels; longer ones keep the reference layers.
+
+    Merges q|k|v and gate|up weights once (the originals become views: call after loading
+    and moving the model). Quantized (NF4) layers cannot be fused: the model stays as is.
+    ``fuse_model(model, False)`` switches back to the reference layers (the merged weights
+    remain).
+    """
+    if enabled and not all(fusable(block) for block in model.layers):
+        log.warning("fused decode layers need dense projections (not quantized); not fused")
+        enabled = False
+    if enabled:
+        for block in model.layers:
+            fuse_block(block)
+    model.decode_layers = LAYERS if enabled else None
+    return model

@@ -4,19 +4,21 @@ Each row of a batch has its own positions; a token at position p is written to c
 so rolling back is only position bookkeeping (rejected slots are overwritten later and never
 attended, because a query at position p only attends slots <= p). Any subset of layers can be
 run (layer-skip self-drafting shares the weights and uses its own cache).
+
+Faster layers for few-token cached steps are swapped in at load
+(:func:`flashspec.models.fused.fuse_model` sets ``LlamaLM.decode_layers``); this module does not
+know them, it only calls the :class:`DecodeLayers` protocol.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flashspec.matmul import linear
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,6 +146,24 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DecodeLayers(Protocol):
+    """Layers that replace the reference blocks on the steps they accept (see
+    :class:`flashspec.models.fused.FusedLayers`). The residual stream they return is
+    ``residual + delta`` (delta None when there are no blocks)."""
+
+    def usable(self, x: torch.Tensor, positions: torch.Tensor, cache: "KVCache | None") -> bool:
+        ...
+
+    def run(self, blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor,
+            cache: "KVCache", inv_freq: torch.Tensor, rope_scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ...
+
+    def final_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
+                   ) -> torch.Tensor:
+        ...
+
+
 class LlamaLM(nn.Module):
     """Decoder-only LM. ``forward_hidden`` returns final-normed hidden states; ``logits`` the head."""
 
@@ -158,7 +178,13 @@ class LlamaLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scale = rope_scale
-        self.fused = False      # few-token cached steps through flashspec.models.fused (fuse())
+        # few-token cached steps through these layers where usable (fused.fuse_model sets them)
+        self.decode_layers: DecodeLayers | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether decode layers are swapped in (:func:`flashspec.models.fused.fuse_model`)."""
+        return self.decode_layers is not None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -177,24 +203,6 @@ class LlamaLM(nn.Module):
         ids = list(range(self.shape.num_layers)) if layers is None else list(layers)
         return KVCache(ids, batch, capacity, self.shape, self.dtype, self.device)
 
-    def fuse(self, enabled: bool = True) -> "LlamaLM":
-        """Run cached steps of at most ``fused.MAX_TOKENS`` tokens per row (AR, verify, drafting,
-        prefill) through the fused decode kernels; longer ones keep the reference layers.
-
-        Merges q|k|v and gate|up weights once (the originals become views: call after loading
-        and moving the model). Quantized (NF4) layers cannot be fused: the model stays as is.
-        ``fuse(False)`` switches back to the reference layers (the merged weights remain).
-        """
-        from flashspec.models import fused
-        if enabled and not all(fused.fusable(block) for block in self.layers):
-            log.warning("fused decode layers need dense projections (not quantized); not fused")
-            enabled = False
-        if enabled:
-            for block in self.layers:
-                fused.fuse_block(block)
-        self.fused = enabled
-        return self
-
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
@@ -205,9 +213,8 @@ class LlamaLM(nn.Module):
         """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all)."""
         x = self.embed_tokens(tokens)
         if self._fused_step(x, positions, cache):
-            from flashspec.models.fused import add_rmsnorm
             residual, delta = self._fused_layers(x, positions, cache, layers)
-            return add_rmsnorm(residual, delta, self.norm.weight, self.norm.eps)[1]
+            return self.decode_layers.final_norm(residual, delta, self.norm)
         return self.norm(self.run_layers(x, positions, cache, layers, span))
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
@@ -231,17 +238,13 @@ class LlamaLM(nn.Module):
         return x
 
     def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
-        if not self.fused:
-            return False
-        from flashspec.models.fused import usable
-        return usable(x, positions, cache)
+        return self.decode_layers is not None and self.decode_layers.usable(x, positions, cache)
 
     def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from flashspec.models.fused import run_blocks
         ids = range(self.shape.num_layers) if layers is None else layers
-        return run_blocks([self.layers[i] for i in ids], x, positions, cache, self.inv_freq,
-                          self.rope_scale)
+        return self.decode_layers.run([self.layers[i] for i in ids], x, positions, cache,
+                                      self.inv_freq, self.rope_scale)
 
     @staticmethod
     def attention_mask(positions: torch.Tensor, span: int, cached: bool) -> torch.Tensor:

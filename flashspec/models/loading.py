@@ -6,19 +6,26 @@ is converted once to a local safetensors directory so later loads take about a s
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import shutil
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from flashspec.errors import FlashSpecError
+from flashspec.paths import repo_root
 from flashspec.models.llama import LlamaLM, LlamaShape
 
 log = logging.getLogger(__name__)
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -53,7 +60,7 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def cache_root() -> Path:
     """Where converted models live: $FLASHSPEC_CACHE or <repo>/.cache/models."""
     env = os.environ.get("FLASHSPEC_CACHE")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / ".cache" / "models"
+    return Path(env) if env else repo_root() / ".cache" / "models"
 
 
 def smollm2_gguf() -> Path:
@@ -72,33 +79,149 @@ def smollm2_gguf() -> Path:
 
 def smollm2_dir() -> Path:
     """Local HF directory (safetensors + tokenizer) of SmolLM2-135M-Instruct, converted once."""
-    out = cache_root() / "smollm2-135m-instruct"
-    if not (out / "model.safetensors").is_file():
-        convert_gguf(smollm2_gguf(), out)
-    return out
+    return gguf_dir(smollm2_gguf())
 
 
-def convert_gguf(gguf: Path, out: Path) -> Path:
-    """Dequantise a GGUF checkpoint with transformers and save it as a safetensors HF directory."""
+# GGUF conversions are cached by content, not by file name: the cache folder is
+# ``<cache_root>/<stem>-<first 16 hex of sha256>`` and holds ``source.json`` with the file's size
+# and full sha256. The whole file is hashed (streamed, ~0.5 s for SmolLM2's 98 MB, once per
+# process and file): a partial hash (first/last MiB) would miss two quantisations that differ
+# only in the middle. A folder whose stamp is missing or differs (an interrupted conversion, a
+# prefix collision) is stale and rebuilt.
+STAMP = "source.json"
+
+
+def gguf_key(gguf: str | Path) -> dict[str, object]:
+    """``{"size", "sha256"}`` of a GGUF file: what its conversion is cached under."""
+    path = Path(gguf).expanduser().resolve()
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise FlashSpecError(f"GGUF file {gguf} not found; check the path") from e
+    return {"size": stat.st_size,
+            "sha256": _sha256(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)}
+
+
+@lru_cache(maxsize=32)
+def _sha256(path: str, size: int, mtime_ns: int, ino: int) -> str:
+    """Per-process memo only: each new process hashes the content again."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(gguf: str | Path, key: dict[str, object] | None = None) -> Path:
+    """Where the conversion of ``gguf`` lives (whether or not it exists yet)."""
+    key = key or gguf_key(gguf)
+    return cache_root() / f"{Path(gguf).stem}-{str(key['sha256'])[:16]}"
+
+
+def cached_conversion(gguf: str | Path) -> Path | None:
+    """The conversion of ``gguf`` when it is present and its stamp matches the file, else None."""
+    key = gguf_key(gguf)
+    out = gguf_cache_dir(gguf, key)
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    complete = (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    return out if complete and {k: stamp.get(k) for k in key} == key else None
+
+
+def gguf_dir(gguf: str | Path) -> Path:
+    """The safetensors HF directory converted from ``gguf``: cached by content, (re)built when
+    missing or stale."""
+    gguf = Path(gguf).expanduser()
+    if not gguf.is_file():
+        raise FlashSpecError(f"GGUF file {gguf} not found; check the path")
+    found = cached_conversion(gguf)
+    if found is not None:
+        return found
+    key = gguf_key(gguf)
+    out = gguf_cache_dir(gguf, key)
+    if out.exists():
+        log.warning("%s is stale or incomplete (no matching %s); converting %s again", out, STAMP,
+                    gguf)
+        shutil.rmtree(out)
+    return convert_gguf(gguf, out, key)
+
+
+def convert_gguf(gguf: Path, out: Path, key: dict[str, object] | None = None) -> Path:
+    """Dequantise a GGUF checkpoint with transformers and save it as a safetensors HF directory
+    (with a ``source.json`` stamp naming the GGUF's size and sha256)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    key = key or gguf_key(gguf)
     log.info("converting %s -> %s (once; ~25 s)", gguf, out)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype=torch.float32)
     except Exception as e:  # corrupt or truncated file: name it and the fix
-        raise FlashSpecError(f"cannot read GGUF {gguf} ({type(e).__name__}: {e}); the file is "
-                             "missing or corrupt, reinstall the package that ships it") from e
+        raise FlashSpecError(f"cannot read GGUF {gguf} ({type(e).__name__}: {_first_line(e)}); "
+                             "the file is truncated or not a GGUF model, replace it (or "
+                             "reinstall the package that ships it)") from e
     cfg = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        cfg.pop(key, None)
+    for name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(name, None)
     clean = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
     clean.load_state_dict(model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
     clean.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
+    (tmp / STAMP).write_text(json.dumps({**key, "gguf": str(gguf)}, indent=1) + "\n")
+    try:
+        tmp.rename(out)
+    except OSError:            # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if cached_conversion(gguf) != out:
+            raise
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    """The message of ``e`` on one line, cut to 240 characters."""
+    text = " ".join(part.strip() for part in str(e).split("\n") if part.strip()) or "no message"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def hf_config(directory: str | Path):
+    """The HF config of a model directory, checked: ``config.json`` present, valid JSON, a known
+    model type and the shape numbers the native model needs (positive integers that fit)."""
+    from transformers import AutoConfig
+    path = Path(directory) / "config.json"
+    fix = "restore it from the model's source (or delete the folder and convert/download again)"
+    if not path.is_file():
+        raise FlashSpecError(f"{path} not found; a model directory needs the HF config.json "
+                             f"next to its weights; {fix}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FlashSpecError(f"{path} is not valid JSON ({_first_line(e)}); {fix}") from e
+    if not isinstance(raw, dict):
+        raise FlashSpecError(f"{path} holds a JSON {type(raw).__name__}, not an object; {fix}")
+    bad = [k for k in SHAPE_FIELDS if isinstance(raw.get(k), bool)
+           or not isinstance(raw.get(k), int) or raw[k] <= 0]
+    if bad:
+        raise FlashSpecError(f"{path}: {', '.join(bad)} missing or not a positive integer "
+                             f"({', '.join(f'{k}={raw.get(k)!r}' for k in bad)}); {fix}")
+    heads, kv = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    if not raw.get("head_dim") and raw["hidden_size"] % heads:
+        raise FlashSpecError(f"{path}: hidden_size={raw['hidden_size']} is not a multiple of "
+                             f"num_attention_heads={heads}; {fix}")
+    if not isinstance(kv, int) or kv <= 0 or heads % kv:
+        raise FlashSpecError(f"{path}: num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv}; {fix}")
+    if raw.get("model_type") not in SUPPORTED:
+        raise FlashSpecError(f"{path}: model_type {raw.get('model_type')!r} has no native path; "
+                             f"supported: {sorted(SUPPORTED)}")
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except Exception as e:  # noqa: BLE001 - any other field transformers rejects
+        raise FlashSpecError(f"{path} is rejected by transformers ({type(e).__name__}: "
+                             f"{_first_line(e)}); {fix}") from e
 
 
 def hf_dir(source: str) -> Path:
@@ -178,13 +301,12 @@ def dummy_config(name: str):
 
 def source_config(source: str):
     """The HF config of ``source`` without loading weights (None for a GGUF not yet converted)."""
-    from transformers import AutoConfig
     if source.startswith("dummy:"):
         return dummy_config(source.split(":", 1)[1])
     if source.endswith(".gguf"):
-        directory = cache_root() / Path(source).stem
-        return AutoConfig.from_pretrained(directory) if (directory / "config.json").is_file() else None
-    return AutoConfig.from_pretrained(smollm2_dir() if source == "smollm2" else hf_dir(source))
+        directory = cached_conversion(source)
+        return hf_config(directory) if directory is not None else None
+    return hf_config(smollm2_dir() if source == "smollm2" else hf_dir(source))
 
 
 def random_model(config, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
@@ -200,23 +322,25 @@ def random_model(config, dtype: torch.dtype, device: str | torch.device, seed: i
 def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                quantization: str | None = None, seed: int = 0):
     """(model, tokenizer) for ``source``: 'smollm2', 'dummy:<shape>', a .gguf path, a dir or HF id."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     dt = resolve_dtype(dtype)
     if source.startswith("dummy:"):
         model = random_model(dummy_config(source.split(":", 1)[1]), dt, device, seed)
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     else:
-        directory = smollm2_dir() if source == "smollm2" else None
-        if directory is None and source.endswith(".gguf"):
-            gguf = Path(source).expanduser()
-            if not gguf.is_file():
-                raise FlashSpecError(f"GGUF file {gguf} not found; check the path")
-            directory = cache_root() / gguf.stem
-            if not (directory / "config.json").is_file():
-                convert_gguf(gguf, directory)
-        directory = directory or hf_dir(source)
-        config = AutoConfig.from_pretrained(directory)
-        model = load_weights(build(config, torch.float32, "cpu"), _read_state_dict(directory))
+        if source == "smollm2":
+            directory = smollm2_dir()
+        elif source.endswith(".gguf"):
+            directory = gguf_dir(source)
+        else:
+            directory = hf_dir(source)
+        config = hf_config(directory)
+        try:
+            model = load_weights(build(config, torch.float32, "cpu"), _read_state_dict(directory))
+        except (FlashSpecError, RuntimeError) as e:   # RuntimeError: a tensor of another shape
+            raise FlashSpecError(f"weights in {directory} do not fit its config.json "
+                                 f"({_first_line(e)}); the folder mixes two models, restore "
+                                 "both from one source") from e
         model = model.to(device=device, dtype=dt)
         tokenizer = AutoTokenizer.from_pretrained(directory)
     if quantization:

@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace):
-    from flashspec.data import repo_root
+    from flashspec.paths import repo_root
     from flashspec.training.run import JobOptions, data_specs, train_config
     data: dict[str, Any] = {"seed": args.seed}
     tr: dict[str, Any] = {"seed": args.seed, **(SMOKE_TRAIN if args.smoke else {})}

@@ -18,7 +18,7 @@ from torch import nn
 
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
-from flashspec.training.checkpoint import save_eagle
+from flashspec.drafters.eagle_checkpoint import save_eagle
 from flashspec.training.data import DataSpec, load_mix
 from flashspec.training.train import TrainConfig, eval_prompts, train
 

@@ -6,11 +6,21 @@ sides can never disagree about the warp.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from flashspec.errors import FlashSpecError
+
+
+# Smallest non-zero temperature. The warp divides float32 logits by T (both the torch path and
+# the Triton kernels, whatever the model dtype: bf16/fp16 logits are upcast first); below ~1e-36
+# T itself is subnormal and logits/T overflows to inf, turning softmax into NaN. With T >= 1e-4 a
+# logit as large as 1e4 becomes 1e8 (float32 max 3.4e38): always finite. Distributions at
+# T < 1e-4 are one-hot in all but exact ties anyway, so smaller values are refused: use 0.
+T_MIN = 1e-4
 
 
 @dataclass(frozen=True)
@@ -22,16 +32,23 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise FlashSpecError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy")
-        if not 0 < self.top_p <= 1:
-            raise FlashSpecError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable")
-        if self.top_k < 0:
-            raise FlashSpecError(f"top_k must be >= 0, got {self.top_k}; use 0 to disable")
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if not _real(t) or not (t == 0 or T_MIN <= t < math.inf):
+            raise FlashSpecError(f"temperature must be 0 (greedy) or a finite number >= {T_MIN}, "
+                                 f"got {t!r}; use 0 for greedy decoding")
+        if not _real(p) or not 0 < p <= 1:
+            raise FlashSpecError(f"top_p must be in (0, 1], got {p!r}; use 1.0 to disable")
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise FlashSpecError(f"top_k must be an integer >= 0, got {k!r}; use 0 to disable")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _real(x: object) -> bool:
+    """A real number, not a bool (True would pass as 1) and not NaN."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
 
 
 def check_finite(logits: torch.Tensor, what: str) -> None:

@@ -12,51 +12,41 @@ it reads the counts anyway. On CPU tensors (TRITON_INTERPRET=1) poisoned rows ra
 FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
-top-p < 1, top-k > 256, top-k on CUDA (see FUSE_TOPK_ON_CUDA), dtypes other than
-bf16/fp16/fp32, V >= 2^24, CPU tensors without TRITON_INTERPRET=1.
+top-p < 1, top-k > 256, top-k on CUDA (unless KernelOptions.fuse_topk_on_cuda), dtypes other than
+bf16/fp16/fp32, V >= 2^24, CPU tensors without Triton's interpreter (flashspec.options.interpreted).
+
+Every switch comes in as a :class:`flashspec.options.KernelOptions` argument (``options=``);
+the module holds no switches of its own.
 
 Host cost per call is kept small: the plan, workspace and merge counters are cached per shape
 (one output allocation per call), kernels take few arguments (unit inner strides; chunk counts
 derived in the kernels; int and device seeds share one compiled variant), and with
-FLASHSPEC_DIRECT_LAUNCH=1 the cached compiled kernels are launched without Triton's binder.
+``KernelOptions(direct_launch=True)`` the cached compiled kernels are launched without Triton's binder.
 Concurrent calls of one shape on different CUDA streams are not supported (they would share
 the cached workspace and counters).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import reference
+from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 
 log = logging.getLogger("flashspec.verify.triton")
 
 MAX_TOPK = 256
-# On an H200 the fused top-k path disagreed with the reference on 0.2-0.4 % of rows at B=64
-# (top-k 20/50; no mismatch without top-k), while the interpreter agrees on CPU. Until that is
-# understood, top-k on CUDA falls back to the reference (exact by definition).
-FUSE_TOPK_ON_CUDA = False
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOGGED: set[str] = set()
-INTERPRET = type(K.stats_kernel).__name__ == "InterpretedFunction"
-# Last-program-per-row-group merges (atomic counters) vs separate decide/finish kernels:
-# None lets the plan choose (fused up to FUSE_MAX_BATCH rows; fused in the interpreter).
-FUSED: bool | None = None
+INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
 FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
-# The race's last program per row group picks the winners at every batch size (finish_kernel
-# only when False and the merges are not fused): the finish is a few loads per row, cheaper
-# as the tail of the race (one atomic per race program) than as its own launch.
-FUSE_FINISH = True
-# Launch the cached compiled kernels directly (CompiledKernel[grid](...)), skipping Triton's
-# argument binder on every call after the first of a shape. Opt-in: it relies on Triton's
-# launcher convention (all parameters, constexprs included, in signature order).
-DIRECT_LAUNCH = os.environ.get("FLASHSPEC_DIRECT_LAUNCH", "0") == "1" and not INTERPRET
 
 
 @dataclass(frozen=True)
@@ -68,13 +58,14 @@ class Plan:
     rchunk: int         # vocabulary elements per pass-2 program (RACE_BLOCK x a power of 2)
     warps: int
     rwarps: int
-    fused: bool | None = None   # merge choice of this plan (FUSED or the call override it)
+    fused: bool | None = None   # merge choice of this plan (options.fuse_merges or the call
+                                # override it)
 
 
 @dataclass
 class _Slot:
     """Per-shape state reused across calls: geometry, workspace, counters, the launches
-    (kernel, grid, constexprs, warps) and, with DIRECT_LAUNCH, their compiled kernels."""
+    (kernel, grid, constexprs, warps) and, with direct launch, their compiled kernels."""
 
     plan: Plan
     fused: bool
@@ -120,13 +111,13 @@ def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, program
 
 
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
-                     params: SamplingParams) -> str | None:
+                     params: SamplingParams, options: KernelOptions = DEFAULT) -> str | None:
     vocab = target_logits.shape[-1]
     if params.top_p < 1.0:
         return "top-p is not fused"
     if 0 < params.top_k < vocab and params.top_k > MAX_TOPK:
         return f"top-k > {MAX_TOPK} is not fused"
-    if 0 < params.top_k < vocab and target_logits.is_cuda and not FUSE_TOPK_ON_CUDA:
+    if 0 < params.top_k < vocab and target_logits.is_cuda and not options.fuse_topk_on_cuda:
         return "fused top-k is disabled on CUDA (mismatched the reference on an H200)"
     for t in (target_logits, draft_logits):
         if t is not None and t.dtype not in _DTYPES:
@@ -174,25 +165,33 @@ def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Te
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
-           seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
+           options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64)."""
-    reason = _fallback_reason(target_logits, draft_logits, params)
+    reason = _fallback_reason(target_logits, draft_logits, params, options)
     if reason is not None:
         _log_once(reason)
         return reference.verify(target_logits, draft_tokens, draft_logits, params, seed,
                                 temperature=temperature)
     _check(target_logits, draft_tokens, draft_logits)
-    out, nacc = launch(target_logits, draft_tokens, draft_logits, params, seed, temperature)
+    out, nacc = launch(target_logits, draft_tokens, draft_logits, params, seed, temperature,
+                       options=options)
     if target_logits.device.type == "cpu" and bool((nacc < 0).any()):
         raise FloatingPointError("logits contain NaN or +inf (or a row is all -inf), a "
                                  "temperature is negative or a draft token is out of range")
     return out, nacc
 
 
-def _resolve_fused(fused: bool | None, p: Plan) -> bool:
-    """The call's choice, else the module's FUSED, else the plan's, else fused."""
-    for choice in (fused, FUSED, p.fused):
+def make_backend(options: KernelOptions = DEFAULT) -> Backend:
+    """The ``triton`` backend with ``options``. Graph safe without top-k/top-p (no host sync on
+    CUDA); warped calls may fall back to the reference, so those are not."""
+    return Backend("triton", functools.partial(verify, options=options), graph_safe=True,
+                   graph_safe_warps=False, dtypes=_DTYPES)
+
+
+def _resolve_fused(fused: bool | None, p: Plan, options: KernelOptions = DEFAULT) -> bool:
+    """The call's choice, else options.fuse_merges, else the plan's, else fused."""
+    for choice in (fused, options.fuse_merges, p.fused):
         if choice is not None:
             return choice
     return True
@@ -212,7 +211,7 @@ def _workspace_size(batch: int, gamma: int, nc: int, nb: int, nct: int, kp2: int
 
 
 def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, top_k: int,
-          flags: dict, device: torch.device) -> _Slot:
+          flags: dict, device: torch.device, fuse_finish: bool) -> _Slot:
     """Build the per-shape state. Workspaces are never evicted: a captured CUDA graph keeps
     pointing at them. A shape first seen during graph capture gets uncached buffers (zeroed
     inside the graph), since eager calls could not rely on counters that were never zeroed."""
@@ -230,7 +229,7 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     cnt = torch.zeros(2 * n_groups, dtype=torch.int32, device=device)
     slot = _Slot(p, fused, nc, ncr, ws, cnt)
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
-    fuse_finish = fused or FUSE_FINISH
+    fuse_finish = fused or fuse_finish
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
         common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
@@ -251,14 +250,14 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
 
 def _run(fn, slot: _Slot, name: str, grid: tuple[int, int, int], args: tuple, consts: dict,
          warps: int, stream) -> None:
-    """Launch ``fn``: through the cached compiled kernel when DIRECT_LAUNCH (and it is
-    cached), else through Triton, caching the compiled kernel it returns."""
+    """Launch ``fn``: through the cached compiled kernel when there is one, else through
+    Triton, caching the compiled kernel it returns when launching directly (``stream`` given)."""
     ck = slot.compiled.get(name)
     if ck is not None:
         ck[grid](*args, *consts.values(), stream=stream)
         return
     ck = fn[grid](*args, **consts, num_warps=warps)
-    if (DIRECT_LAUNCH and stream is not None and hasattr(ck, "function")
+    if (stream is not None and hasattr(ck, "function")
             and list(fn.arg_names) == list(fn.arg_names[:len(args)]) + list(consts)):
         slot.compiled[name] = ck
 
@@ -280,9 +279,10 @@ def _aligned(*ts: torch.Tensor) -> bool:
 def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
-           fused: bool | None = None, geometry: Plan | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernels (no fallback, no host sync); poisoned rows have n_accepted = -1."""
+           fused: bool | None = None, geometry: Plan | None = None,
+           options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernels (no fallback, no host sync); poisoned rows have n_accepted = -1.
+    ``fused`` overrides ``options.fuse_merges``; ``geometry`` the default :func:`plan`."""
     batch, gamma = draft_tokens.shape
     vocab = target_logits.shape[-1]
     device = target_logits.device
@@ -301,18 +301,18 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
             temp_ptr = temp_ptr.to(device)
     seed_ptr, seed_i, seed_mode = _seed_args(seed, device)
     top_k = params.top_k if 0 < params.top_k < vocab else 0
-    direct = DIRECT_LAUNCH and device.type == "cuda" and _aligned(tgt, drf, tok, temp_ptr,
-                                                                  seed_ptr)
+    direct = (options.direct_launch and not INTERPRET and device.type == "cuda"
+              and _aligned(tgt, drf, tok, temp_ptr, seed_ptr))
     t_sb, d_sb = tgt.stride(0), drf.stride(0)
     key = (device, batch, gamma, vocab, tgt.dtype, drf.dtype, t_sb, d_sb, tok.dtype, has_q,
-           top_k, temp_ptr.dtype if temperature is not None else None, fused, FUSED, FUSE_FINISH,
-           geometry, direct)
+           top_k, temp_ptr.dtype if temperature is not None else None, fused, options, geometry,
+           direct)
     slot = _SLOTS.get(key)
     if slot is None:
         p = geometry or plan(batch, gamma, vocab)
-        fused = _resolve_fused(fused, p)
+        fused = _resolve_fused(fused, p, options)
         flags = dict(HAS_Q=has_q, TOPK=top_k > 0, ROW_TEMP=temperature is not None)
-        slot = _slot(key, p, fused, batch, gamma, vocab, top_k, flags, device)
+        slot = _slot(key, p, fused, batch, gamma, vocab, top_k, flags, device, options.fuse_finish)
     if top_k:
         _launch_topk(slot.plan, tgt, drf, has_q, temp_ptr, temp, slot.ws, batch, gamma, vocab,
                      slot.nc, top_k, temperature is not None)

@@ -1,0 +1,126 @@
+"""experiments/results/ holds only the records listed in its manifest, and stays small.
+
+manifest.yaml maps README claims to run directories (with commit and command); every listed run
+must exist, every file under experiments/results/ must belong to a listed run, every claim must
+name listed runs, MANIFEST.md must be the YAML's rendering, and the tracked size stays under the bar.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "experiments" / "results"
+MANIFEST_FILES = {"manifest.yaml", "MANIFEST.md"}
+SHA = re.compile(r"^[0-9a-f]{40}(-dirty)?$")
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    return yaml.safe_load((RESULTS / "manifest.yaml").read_text())
+
+
+def result_files() -> list[Path]:
+    """Files under experiments/results/ (hidden and cache files aside), relative to it."""
+    return sorted(p.relative_to(RESULTS) for p in RESULTS.rglob("*")
+                  if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                             for part in p.relative_to(RESULTS).parts))
+
+
+def test_every_listed_run_exists(manifest):
+    runs = [r["run"] for r in manifest["runs"]]
+    assert len(runs) == len(set(runs)), "a run is listed twice"
+    missing = [r for r in runs if not (RESULTS / r).is_dir()]
+    assert not missing, f"listed in manifest.yaml but not under experiments/results/: {missing}"
+    empty = [r for r in runs if not any(p.is_file() for p in (RESULTS / r).rglob("*"))]
+    assert not empty, f"listed runs without files: {empty}"
+
+
+def _owner(rel: str, runs: set[str]) -> str | None:
+    """The listed run a path under experiments/results/ belongs to (its deepest listed ancestor)."""
+    parts = rel.split("/")
+    for n in range(len(parts), 0, -1):
+        if "/".join(parts[:n]) in runs:
+            return "/".join(parts[:n])
+    return None
+
+
+def test_nothing_unlisted(manifest):
+    """Every file lies in a listed run directory (so nothing unlisted creeps in)."""
+    runs = {r["run"] for r in manifest["runs"]}
+    stray = [f.as_posix() for f in result_files()
+             if f.as_posix() not in MANIFEST_FILES and _owner(f.parent.as_posix(), runs) is None]
+    assert not stray, f"files under experiments/results/ in no listed run (add them to manifest.yaml): {stray}"
+    dirs = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_dir()
+            and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(RESULTS).parts)}
+    unlisted = [d for d in dirs if _owner(d, runs) is None and not any(r.startswith(d + "/") for r in runs)]
+    assert not unlisted, f"directories neither in a listed run nor above one: {sorted(unlisted)}"
+
+
+def test_runs_have_commit_and_command(manifest):
+    for r in manifest["runs"]:
+        assert SHA.match(r["committed_in"]), r["run"]
+        assert r.get("provenance_commit") is None or r["provenance_commit"] == "unknown" \
+            or SHA.match(r["provenance_commit"]), r["run"]
+        assert r.get("source_commit") is None or SHA.match(r["source_commit"]), r["run"]
+        assert r["command"].strip(), r["run"]
+        for p in r.get("lab_notebook") or []:
+            assert p.startswith("experiments/results/") and not (ROOT / p).exists(), (r["run"], p)
+
+
+def test_lab_notebook_holds_what_left(manifest):
+    """Files a run keeps only on the history branch are there (skipped where it is not fetched)."""
+    git = shutil.which("git")
+    branch = manifest["history_branch"]
+    if not git or subprocess.run([git, "rev-parse", "--verify", "-q", branch], cwd=ROOT,
+                                 capture_output=True).returncode != 0:
+        pytest.skip(f"branch {branch} not available")
+    for r in manifest["runs"]:
+        for p in r.get("lab_notebook") or []:
+            ok = subprocess.run([git, "cat-file", "-e", f"{branch}:{p}"], cwd=ROOT, capture_output=True)
+            assert ok.returncode == 0, f"{p} not on {branch}"
+
+
+def test_claims_name_listed_runs(manifest):
+    runs = {r["run"] for r in manifest["runs"]}
+    used = set()
+    for c in manifest["claims"]:
+        assert c["readme"].strip() and c["claim"].strip()
+        assert c["runs"] and set(c["runs"]) <= runs, c
+        used.update(c["runs"])
+    assert used == runs, f"runs behind no README claim: {sorted(runs - used)}"
+
+
+def test_readme_points_at_the_manifest():
+    readme = (ROOT / "README.md").read_text()
+    assert "experiments/results/MANIFEST.md" in readme and "lab-notebook" in readme
+
+
+def test_markdown_is_the_rendering_of_the_yaml(manifest):
+    spec = importlib.util.spec_from_file_location("manifest_md", ROOT / "scripts" / "manifest_md.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (RESULTS / "MANIFEST.md").read_text() == mod.render(manifest), \
+        "MANIFEST.md is stale: python scripts/manifest_md.py"
+
+
+def test_tracked_size_under_the_bar(manifest):
+    """git's tracked files when in a checkout (what the bar is about), else what is on disk."""
+    files = None
+    if shutil.which("git") and (ROOT / ".git").exists():
+        proc = subprocess.run(["git", "ls-files", "-z", "--", "experiments/results"], cwd=ROOT,
+                              capture_output=True, text=True)
+        if proc.returncode == 0:
+            files = [ROOT / f for f in proc.stdout.split("\0") if f]
+    if files is None:
+        files = [RESULTS / f for f in result_files()]
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    assert size < manifest["max_tracked_bytes"] <= 5_000_000, f"experiments/results/ tracks {size} bytes"
+    on_disk = sum((RESULTS / f).stat().st_size for f in result_files())
+    assert on_disk < manifest["max_tracked_bytes"], f"experiments/results/ holds {on_disk} bytes on disk"
