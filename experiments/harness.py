@@ -44,6 +44,8 @@ def build(node: Any, **kwargs: Any) -> Any:
             cause = cause.__cause__
         if cause is not None:
             raise cause from None
+        if isinstance(e.__cause__, TypeError):   # e.g. a setting the target does not take
+            raise FlashSpecError(f"{node.get('_target_')}: {e.__cause__}") from None
         raise
 
 

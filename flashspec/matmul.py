@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flashspec.errors import FlashSpecError
+from flashspec.paths import cache_root
 
 SMALL_ROWS = 16
 FORMS = ("xwt", "wxt")       # F.linear as given | (W xᵀ)ᵀ
@@ -126,7 +127,6 @@ def machine_key() -> dict[str, object]:
 
 
 def cache_file() -> Path:
-    from flashspec.models.loading import cache_root
     key = json.dumps(machine_key(), sort_keys=True)
     return cache_root() / "matmul" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 

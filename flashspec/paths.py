@@ -1,6 +1,7 @@
 """Where things live: the repository root and repository-relative paths in configs."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -16,3 +17,10 @@ def repo_path(value: str | Path) -> Path:
     if path.is_absolute() or path.exists():
         return path
     return repo_root() / path
+
+
+def cache_root() -> Path:
+    """Where converted models and per-machine measurements live: ``$FLASHSPEC_CACHE`` (a
+    documented cache location) or ``<repo>/.cache/models``."""
+    env = os.environ.get("FLASHSPEC_CACHE")
+    return Path(env) if env else repo_root() / ".cache" / "models"

@@ -13,7 +13,8 @@ import torch
 from flashspec.bandits import PerDomain, Policy, ThompsonSampling
 from flashspec.data import chat_ids, load_prompts, split_ids
 from flashspec.drafters import DraftContext
-from flashspec.drafters.eagle import EagleConfig, EagleDrafter, EagleModule
+from flashspec.drafters.eagle import EagleDrafter
+from flashspec.drafters.eagle_module import EagleConfig, EagleModule
 from flashspec.drafters.ngram import NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from flashspec.drafters import ModelDrafter, NgramDrafter
-from flashspec.drafters.eagle import EagleDrafter, EagleModule
+from flashspec.drafters.eagle import EagleDrafter
+from flashspec.drafters.eagle_module import EagleModule
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models import fused
 from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_rope

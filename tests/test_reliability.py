@@ -385,7 +385,7 @@ def _tiny_target(vocab: int = 64):
 
 @pytest.fixture()
 def eagle_ckpt(tmp_path):
-    from flashspec.drafters.eagle import EagleConfig, EagleModule
+    from flashspec.drafters.eagle_module import EagleConfig, EagleModule
     from flashspec.drafters.eagle_checkpoint import save_eagle
     target = _tiny_target()
     module = EagleModule(target.shape, EagleConfig(n_layers=1))

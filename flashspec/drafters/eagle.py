@@ -15,97 +15,19 @@ ever repeated, even when another arm ran the previous steps.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import Any
-
 import torch
 from torch import nn
 
 from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
+from flashspec.drafters.eagle_checkpoint import load_eagle
+from flashspec.drafters.eagle_module import EagleModule
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice, LowRankHead
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
-from flashspec.models.llama import Block, KVCache, Linear, LlamaLM, LlamaShape, RMSNorm
+from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    """Architecture of the drafter module (the target supplies d, heads, V and RoPE)."""
-
-    n_layers: int = 1
-    out_norm: bool = False      # an RMSNorm on the predicted feature (EAGLE-1 has none)
-    in_norm: bool = False       # RMSNorms on the feature and the embedding before fc (EAGLE-3)
-    fc_bias: bool = True
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.n_layers <= 4:
-            raise FlashSpecError(f"eagle n_layers={self.n_layers}; use 1 or 2 (at most 4)")
-
-
-def drafter_shape(target: LlamaShape, n_layers: int) -> LlamaShape:
-    """The target's block shape with ``n_layers`` layers (one own KV cache for all of them)."""
-    return replace(target, num_layers=n_layers)
-
-
-class EagleModule(nn.Module):
-    """fc([feature ; token embedding]) -> decoder blocks -> predicted feature."""
-
-    def __init__(self, shape: LlamaShape, config: EagleConfig = EagleConfig()) -> None:
-        super().__init__()
-        self.config = config
-        self.shape = drafter_shape(shape, config.n_layers)
-        d = shape.hidden_size
-        self.fc = Linear(2 * d, d, bias=config.fc_bias)
-        self.layers = nn.ModuleList(Block(i, self.shape) for i in range(config.n_layers))
-        self.norm = RMSNorm(d, shape.rms_eps) if config.out_norm else None
-        self.feat_norm = RMSNorm(d, shape.rms_eps) if config.in_norm else None
-        self.embed_norm = RMSNorm(d, shape.rms_eps) if config.in_norm else None
-
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Llama-style init: N(0, std) matrices, zero biases, unit norms."""
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=std, generator=generator)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
-
-    def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device) -> KVCache:
-        return KVCache(list(range(self.config.n_layers)), batch, capacity, self.shape, dtype, device)
-
-    def fuse(self) -> "EagleModule":
-        """Merge the blocks' q|k|v and gate|up weights for the fused decode layers."""
-        from flashspec.models import fused
-        if all(fused.fusable(block) for block in self.layers):
-            for block in self.layers:
-                fused.fuse_block(block)
-        return self
-
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None = None, span: int | None = None,
-                rotary: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-        """Predicted features [B, n, d] for slots with (previous feature, token embedding).
-
-        ``rotary`` (the target's inv_freq, rope_scale) runs the blocks through the fused decode
-        layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused)."""
-        features = features.to(embeds.dtype)
-        if self.feat_norm is not None:
-            features, embeds = self.feat_norm(features), self.embed_norm(embeds)
-        x = self.fc(torch.cat([features, embeds], dim=-1))
-        if rotary is not None and cache is not None:
-            from flashspec.models.fused import run_blocks
-            x, delta = run_blocks(self.layers, x, positions, cache, *rotary)
-            x = x if delta is None else x + delta
-            return self.norm(x) if self.norm is not None else x
-        span = positions.shape[1] if span is None else span
-        for block in self.layers:
-            x = block(x, rope, positions, cache, mask, span)
-        return self.norm(x) if self.norm is not None else x
 
 
 class CastHead(nn.Module):
@@ -227,7 +149,6 @@ class EagleDrafter(GraphedDrafting, Drafter):
         module (stored in the checkpoint) serves ``head=lowrank`` at its rank; ``head=full`` is
         the target's own head, kept in ``head_dtype`` when given (a bf16 copy halves the bytes
         per call on a CPU)."""
-        from flashspec.drafters.eagle_checkpoint import load_eagle
         target = ctx.target
         module, trained_head, _ = load_eagle(repo_path(checkpoint), target)
         trained = {trained_head.rank: trained_head} if isinstance(trained_head, LowRankHead) else {}
@@ -237,7 +158,3 @@ class EagleDrafter(GraphedDrafting, Drafter):
         if target.fused:
             module.fuse()
         return cls(target, module, chosen, name=name)
-
-
-def config_dict(config: EagleConfig) -> dict[str, Any]:
-    return asdict(config)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from flashspec.drafters.eagle import EagleConfig, EagleModule, config_dict
+from flashspec.drafters.eagle_module import EagleConfig, EagleModule, config_dict
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import repo_root
+from flashspec.paths import cache_root
 from flashspec.models.llama import LlamaLM, LlamaShape
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,6 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise FlashSpecError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[name]
-
-
-def cache_root() -> Path:
-    """Where converted models live: $FLASHSPEC_CACHE or <repo>/.cache/models."""
-    env = os.environ.get("FLASHSPEC_CACHE")
-    return Path(env) if env else repo_root() / ".cache" / "models"
 
 
 def smollm2_gguf() -> Path:

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from flashspec.drafters.eagle import EagleConfig, EagleDrafter, EagleModule
+from flashspec.drafters.eagle import EagleDrafter
+from flashspec.drafters.eagle_module import EagleConfig, EagleModule
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
 from flashspec.training.data import DistillData

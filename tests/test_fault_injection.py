@@ -1,0 +1,67 @@
+"""A decode run killed (SIGKILL) at random points and resumed each time ends with the same
+records as an uninterrupted run: same keys, no duplicates, same tokens, greedy and at T = 1."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["dataset=gsm8k", "dataset.n_prompts=3", "dataset.max_new_tokens=16", "logger=disabled",
+        "drafters=ngram", "experiment.methods=[ar,spec]", "experiment.references=[]",
+        "experiment.warmup=false"]
+
+pytestmark = pytest.mark.slow
+
+
+def start(out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "run.py", *ARGS, *extra, f"hydra.run.dir={out}"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "records.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tokens(recs: list[dict]) -> dict[tuple, list[int]]:
+    keys = [(r["method"], r["prompt_id"], r["turn"]) for r in recs]
+    assert len(keys) == len(set(keys)), "a record was written twice"
+    return {k: r["tokens"] for k, r in zip(keys, recs)}
+
+
+@pytest.mark.parametrize("temperature", ["0.0", "1.0"])
+def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, temperature):
+    extra = [f"experiment.temperature={temperature}"]
+    whole = start(tmp_path / "whole", *extra)
+    assert whole.wait(timeout=900) == 0, whole.stderr.read()[-2000:]
+    expected = tokens(records(tmp_path / "whole"))
+    assert len(expected) == 6
+
+    out, rng, kills = tmp_path / "killed", random.Random(int(float(temperature) * 10)), 0
+    for attempt in range(12):
+        proc = start(out, *extra)
+        delay = rng.uniform(8.0, 30.0)
+        try:
+            rc = proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            time.sleep(0.2)
+            continue
+        assert rc == 0, proc.stderr.read()[-2000:]
+        break
+    else:
+        pytest.fail("the run never finished within 12 resumptions")
+    assert kills >= 2, "the run finished before it could be killed twice: lengthen it"
+    assert tokens(records(out)) == expected
