@@ -4,6 +4,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
+import experiments.resolvers  # noqa: F401  registers ${path_safe:...} (conf/config.yaml's sweep subdir)
+
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> object:
