@@ -4,7 +4,9 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-import experiments.resolvers  # noqa: F401  registers ${path_safe:...} (conf/config.yaml's sweep subdir)
+from experiments.resolvers import register_resolvers
+
+register_resolvers()   # before Hydra composes: conf/config.yaml's sweep subdir uses ${path_safe:...}
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -1,5 +1,5 @@
-"""OmegaConf resolvers the configs use; importing this module registers them (run.py does,
-before Hydra composes anything, so ``hydra.sweep.subdir`` can use them).
+"""OmegaConf resolvers the configs use; run.py registers them before Hydra composes anything
+(``hydra.sweep.subdir`` is resolved before the task runs).
 
 ``${path_safe:text}``: ``text`` as one folder name. Hydra's ``override_dirname`` keeps the
 overrides' values verbatim, so ``head.rank=d/8`` would make nested job folders; '/' becomes
@@ -18,11 +18,8 @@ def path_safe(text: object) -> str:
 RESOLVERS = {"path_safe": path_safe}
 
 
-def register() -> None:
+def register_resolvers() -> None:
     """Register every resolver of this module with OmegaConf (again is a no-op)."""
     for name, fn in RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
-
-
-register()

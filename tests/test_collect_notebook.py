@@ -146,7 +146,8 @@ def test_collect_without_records_fails_with_one_line(tmp_path: Path, capsys):
 
 def test_sweep_job_folder_escapes_slash():
     """conf/config.yaml's sweep subdir makes one folder per job even for ``head.rank=d/8``."""
-    from experiments.resolvers import path_safe
+    from experiments.resolvers import path_safe, register_resolvers
+    register_resolvers()
     subdir = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["hydra"]["sweep"]["subdir"]
     node = OmegaConf.create({"hydra": {"job": {"num": 3, "override_dirname": "bandit=ucb1,head.rank=d/8"},
                                        "sweep": {"subdir": subdir}}})
