@@ -145,7 +145,8 @@ def test_collect_without_records_fails_with_one_line(tmp_path: Path, capsys):
 
 
 def test_sweep_job_folder_escapes_slash():
-    """conf/config.yaml's sweep subdir makes one folder per job even for ``head.rank=d/8``."""
+    """conf/config.yaml's sweep subdir makes one folder per job even for ``head.rank=d/8``, and a
+    name a file system takes however many overrides there are."""
     from experiments.resolvers import path_safe, register_resolvers
     register_resolvers()
     subdir = yaml.safe_load((ROOT / "conf" / "config.yaml").read_text())["hydra"]["sweep"]["subdir"]
@@ -153,6 +154,10 @@ def test_sweep_job_folder_escapes_slash():
                                        "sweep": {"subdir": subdir}}})
     assert node.hydra.sweep.subdir == "3_bandit=ucb1,head.rank=d%2F8"
     assert unquote(path_safe("a%2F/b")) == "a%2F/b"   # reversible
+    long = ",".join(f"experiment.setting_{i}=value/{i}" for i in range(20))   # > 255 bytes
+    name = path_safe(long)
+    assert len(name.encode()) <= 200 and "/" not in name and name != path_safe(long + "x")
+    assert name.startswith(path_safe(long)[:100]) and name == path_safe(long)
 
 
 def _job(sweep: Path, name: str, overrides: list[str], dataset: str, metrics: dict,
