@@ -157,6 +157,7 @@ class Jobs:
     """Job columns (:func:`job_info` and ``swept``) of every job dir met, read once each."""
 
     def __init__(self, paths: Iterable[Path]) -> None:
+        paths = list(paths)
         self.infos: dict[Path, dict[str, Any]] = {}
         for f in record_files(paths) + metric_files(paths):
             job = job_dir(f)
@@ -180,6 +181,7 @@ def public(info: dict[str, Any]) -> dict[str, Any]:
 
 def iter_rows(paths: Iterable[Path], jobs: Jobs | None = None) -> Iterator[dict[str, Any]]:
     """Every record of every file, with job columns and flattened provenance."""
+    paths = list(paths)
     jobs = jobs or Jobs(paths)
     for f in record_files(paths):
         info = jobs.get(f)
