@@ -258,18 +258,6 @@ def test_run_py_bandit_sim_smoke(tmp_path):
     assert (out / "regret.png").stat().st_size > 10_000
 
 
-def test_notebook_redraws_from_committed_records():
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-    nb = nbformat.read(ROOT / "notebooks" / "bandit_regret.ipynb", as_version=4)
-    NotebookClient(nb, timeout=180, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert any("image/png" in o.get("data", {}) for o in outputs)
-    assert any("bar met: True" in o.get("text", "") for o in outputs)
-
-
 def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
     from flashspec.metrics import bandit_vs_fixed
 

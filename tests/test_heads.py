@@ -285,20 +285,6 @@ def test_head_bench_cli_runs_without_hydra_omegaconf_wandb(tmp_path, module):
     assert len((out / "head_bench.jsonl").read_text().splitlines()) == 3
 
 
-def test_notebook_redraws_from_committed_records():
-    nbformat = pytest.importorskip("nbformat")
-    from nbclient import NotebookClient
-    nb = nbformat.read(ROOT / "notebooks" / "head_bench.ipynb", as_version=4)
-    NotebookClient(nb, timeout=180, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 1
-    text = "".join(o.get("text", "") for o in outputs)
-    assert "bench records" in text and " 0 bench records" not in text
-    assert "overlap: 0" in text  # the distillation table: train/eval prompts disjoint
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
 def test_few_row_linear_matches_f_linear(rows):
     """The CPU few-row path (W xT, a padded second column for one row) is the same product."""
