@@ -207,8 +207,8 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
             if isinstance(choice, LowRankChoice) else None
         plan.head = {"drafter": arm.drafter.name, "kind": choice.kind, "rank": rank,
                      "params": module_size(arm.drafter.head), "full_params": module_size(full.head)}
-        if plan.variant not in plan.arms.values():   # the variant arm alone runs as a reference too
-            plan.arms[i] = plan.variant
+        plan.arms.setdefault(i, plan.variant)
+        if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
             plan.methods.append(engine_method(plan.variant, SpecEngine(ctx.target, [arm], **kw)))
         return
 
