@@ -37,6 +37,7 @@ from flashspec.heads.modules import FullHead, Head, LowRankHead
 
 log = logging.getLogger(__name__)
 FORMAT = "flashspec-eagle-head-data-v1"
+GEN_BATCH = 16   # prompts per greedy-generation batch
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ class HeadTrainSpec:
     """Data and optimisation of a head trained on first use (small enough for a laptop CPU)."""
 
     dataset: str = "mixed"          # prompt stream of flashspec.data (train / eval splits)
-    n_train: int = 48               # train-split prompts (greedy continuations of the target)
-    n_eval: int = 12                # eval-split prompts for the held-out agreement report
-    max_new_tokens: int = 128
-    steps: int = 300
+    n_train: int = 32               # train-split prompts (greedy continuations of the target)
+    n_eval: int = 8                 # eval-split prompts for the held-out agreement report
+    max_new_tokens: int = 96
+    steps: int = 200
     lr: float = 3e-3
     batch_size: int = 256
     init: str = "asvd"              # asvd (calibrated on the train ĥ) | svd
@@ -178,7 +179,8 @@ def collect(target: Any, tokenizer: Any, module: Any, spec: HeadTrainSpec, split
     """Rows of one split: the target's greedy continuations, then (ĥ, f) at each position."""
     ids, prompts = split_prompts(tokenizer, spec, split)
     eos = tokenizer.eos_token_id
-    conts = greedy_generate(target, prompts, spec.max_new_tokens, eos, progress=progress)
+    conts = greedy_generate(target, prompts, spec.max_new_tokens, eos, batch_size=GEN_BATCH,
+                            progress=progress)
     keep = [i for i, c in enumerate(conts) if c]
     h, f = eagle_rows(target, module, [prompts[i] for i in keep], [conts[i] for i in keep],
                       progress=progress)
@@ -257,7 +259,7 @@ def estimate_seconds(target: Any, module: Any, rank: int, spec: HeadTrainSpec,
     total = spec.steps * step * 1.1
     if not data_cached:
         n = spec.n_train + spec.n_eval
-        batch = min(8, n)
+        batch = min(GEN_BATCH, n)
         ids = torch.zeros(batch, 1, dtype=torch.long, device=target.device)
         cache = target.new_cache(batch, 4)
         pos = torch.zeros(batch, 1, dtype=torch.long, device=target.device)
