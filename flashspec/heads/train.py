@@ -194,8 +194,8 @@ def load_or_collect(target: Any, tokenizer: Any, module: Any, spec: HeadTrainSpe
     if path.is_file():
         t = load_file(str(path))
         meta = json.loads((folder / "meta.json").read_text())
-        return (EagleHeadData(t["train_h"], t["train_f"], meta["train_prompt_ids"]),
-                EagleHeadData(t["eval_h"], t["eval_f"], meta["eval_prompt_ids"]))
+        return (EagleHeadData(t["train_h"].float(), t["train_f"].float(), meta["train_prompt_ids"]),
+                EagleHeadData(t["eval_h"].float(), t["eval_f"].float(), meta["eval_prompt_ids"]))
     train = collect(target, tokenizer, module, spec, "train", progress)
     evals = collect(target, tokenizer, module, spec, "eval", progress)
     check_disjoint(train.prompt_ids, evals.prompt_ids)
