@@ -85,3 +85,28 @@ def test_cache_key_follows_the_checkpoint_content(ctx, tmp_path):
 def test_unknown_training_option_is_refused():
     with pytest.raises(FlashSpecError, match="unknown keys"):
         HeadTrainSpec.from_options({"stpes": 3})
+
+
+def shipped_heads() -> dict:
+    from omegaconf import OmegaConf
+    entry = OmegaConf.load(ROOT / "conf" / "drafters" / "default.yaml").drafters.eagle_lr72
+    return OmegaConf.to_container(entry.heads)
+
+
+@pytest.mark.parametrize("rank", ["d/16", "d/32"])
+def test_shipped_heads_of_the_default_drafter(ctx, rank):
+    """The default drafter's config lists a trained file for d/16 and d/32: no training, no cache."""
+    heads = shipped_heads()
+    drafter = EagleDrafter.build(ctx, "eagle_lr72", str(CKPT), head=LowRankChoice(rank=rank),
+                                 heads=heads, head_cache=None)
+    assert drafter.head.rank == ctx.target.shape.hidden_size // int(rank.split("/")[1])
+    meta = read_metadata(ROOT / heads[rank])
+    assert meta["drafter_sha256"] == file_sha256(CKPT)
+    assert meta["metrics"]["trained"]["top1_target"] > meta["metrics"]["asvd_init"]["top1_target"]
+
+
+def test_a_head_of_another_checkpoint_is_refused(ctx):
+    from flashspec.heads.train import load_shipped
+    path = ROOT / shipped_heads()["d/32"]
+    with pytest.raises(FlashSpecError, match="another 'eagle_lr72' checkpoint"):
+        load_shipped(path, 18, "eagle_lr72", "0" * 64)
