@@ -15,6 +15,8 @@ ever repeated, even when another arm ran the previous steps.
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedD
 from flashspec.drafters.eagle_checkpoint import load_eagle
 from flashspec.drafters.eagle_module import EagleModule
 from flashspec.errors import FlashSpecError
-from flashspec.heads import FullHeadChoice, HeadChoice, LowRankHead
+from flashspec.heads import FullHeadChoice, HeadChoice
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
 from flashspec.models.llama import KVCache, LlamaLM
@@ -144,14 +146,23 @@ class EagleDrafter(GraphedDrafting, Drafter):
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, ctx: DraftContext, name: str, checkpoint: str,
-              head: HeadChoice = FullHeadChoice(), head_dtype: str | None = None) -> "EagleDrafter":
-        """From a checkpoint of ``experiment=train_drafter``. A low-rank head trained with the
-        module (stored in the checkpoint) serves ``head=lowrank`` at its rank; ``head=full`` is
-        the target's own head, kept in ``head_dtype`` when given (a bf16 copy halves the bytes
-        per call on a CPU)."""
+              head: HeadChoice = FullHeadChoice(), head_dtype: str | None = None,
+              heads: Mapping[int | str, str] | None = None,
+              head_cache: str | None = ".cache/heads",
+              head_training: Mapping[str, Any] | None = None) -> "EagleDrafter":
+        """From a checkpoint of ``experiment=train_drafter``. ``head=lowrank`` at rank r takes
+        the drafter's trained head of that rank: the one stored in the checkpoint, else the
+        file ``heads[r]`` (rank as int or 'd/N'), else one trained now on the target's
+        distribution and cached under ``head_cache`` (``head_training``: data and steps, see
+        :class:`flashspec.heads.train.HeadTrainSpec`; ``head_cache: null`` never trains).
+        ``head=full`` is the target's own head, kept in ``head_dtype`` when given (a bf16 copy
+        halves the bytes per call on a CPU)."""
+        from flashspec.heads.train import HeadTrainSpec, trained_heads
         target = ctx.target
-        module, trained_head, _ = load_eagle(repo_path(checkpoint), target)
-        trained = {trained_head.rank: trained_head} if isinstance(trained_head, LowRankHead) else {}
+        spec = HeadTrainSpec.from_options(head_training)
+        module, baked, _ = load_eagle(repo_path(checkpoint), target)
+        trained = trained_heads(head, target, ctx.tokenizer, module, name, checkpoint, baked,
+                                heads, head_cache, spec)
         chosen = head.build(target.lm_head_weight, trained, name, ctx.kernels.head_triton)
         if chosen is None and head_dtype:
             chosen = CastHead(target.lm_head_weight, resolve_dtype(head_dtype))
