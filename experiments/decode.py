@@ -254,8 +254,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode every prompt with every method; returns the summary rows and the job metrics."""
     torch.manual_seed(int(cfg.seed))
     exp = cfg.experiment
-    if int(exp.batch_size) < 1:
-        raise FlashSpecError(f"experiment.batch_size must be >= 1, got {exp.batch_size}")
+    for key in ("batch_size", "timing_iters", "hf_prompt_lookup_tokens"):
+        value = exp.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FlashSpecError(f"experiment.{key}={value!r}; it must be a positive int")
     params = SamplingParams(float(exp.temperature), int(exp.top_k), float(exp.top_p))
     dataset = prompt_set(cfg)
     max_new = 8 if cfg.smoke else dataset.max_new_tokens
