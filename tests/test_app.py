@@ -52,11 +52,11 @@ def test_submitit_local_two_job_sweep(tmp_path):
 
 
 BAD_INPUT = {
-    "gamma": (["drafters.gammas=[0]"], "gamma"),
+    "gamma": (["drafters.arms=[[eagle_lr72,0]]"], "gamma"),
     "temperature": (["experiment.temperature=-0.5"], "temperature"),
     "top_p": (["experiment.temperature=1.0", "experiment.top_p=1.5"], "top_p"),
-    "vocab": (["drafters.drafters={tiny: {_target_: flashspec.drafters.ModelDrafter.separate, "
-               "_partial_: true, source: 'dummy:tinyllama-1.1b'}}"], "vocabulary"),
+    "vocab": (["+drafters.drafters.tiny={_target_: flashspec.drafters.ModelDrafter.separate, "
+               "_partial_: true, source: 'dummy:tinyllama-1.1b'}"], "vocabulary"),
     "context": (["dataset.max_new_tokens=9000"], "context window"),
     "missing_model": (["target.source=/nonexistent/model.gguf"], "not found"),
     "batch": (["experiment.batch_size=0"], "batch_size"),

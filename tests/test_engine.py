@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from flashspec.bandits import Policy
 from flashspec.drafters import DraftContext, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
@@ -101,18 +103,16 @@ def test_greedy_speculative_equals_target(smol, prompts, reference, arms, kind, 
     assert all(0 <= r.n_accepted <= r.n_proposed for r in rows)
 
 
-class Cycle:
+class Cycle(Policy):
     """A policy that walks through the arms in turn (widths change every step)."""
 
-    def __init__(self, n: int) -> None:
-        self.n, self.i = n, -1
+    name = "cycle"
+    learns = False
+    i = -1
 
-    def select(self, context=None) -> int:
-        self.i = (self.i + 1) % self.n
-        return self.i
-
-    def update(self, *args, **kwargs) -> None:
-        return None
+    def select_many(self, context=None) -> np.ndarray:
+        self.i = (self.i + 1) % self.n_arms
+        return np.full(self.n_envs, self.i, dtype=np.int64)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
