@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import repo_root
+from flashspec.paths import file_sha256, repo_root
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +204,6 @@ def data_hash(names: str | Sequence[str], source: str = "local") -> str:
             digest = "hub:" + hashlib.sha256(rows.encode()).hexdigest()
         parts.append(f"{name}={digest}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def file_sha256(path: str | Path) -> str:
-    """sha256 (hex) of a file's bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _verified_sha256(path: Path) -> str:

@@ -1,6 +1,7 @@
 """Where things live: the repository root and repository-relative paths in configs."""
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -24,3 +25,13 @@ def cache_root() -> Path:
     documented cache location) or ``<repo>/.cache/models``."""
     env = os.environ.get("FLASHSPEC_CACHE")
     return Path(env) if env else repo_root() / ".cache" / "models"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB blocks: what caches and records key
+    content by (prompt files, GGUF models, drafter checkpoints)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

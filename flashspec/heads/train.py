@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashspec.errors import FlashSpecError
+from flashspec.paths import file_sha256
 from flashspec.heads.choice import HeadChoice, LowRankChoice, resolve_rank
 from flashspec.heads.distill import agreement_metrics, check_disjoint, distill_lowrank
 from flashspec.heads.hidden import greedy_generate
@@ -79,15 +80,6 @@ class HeadTrainSpec:
 
 
 # ---------------------------------------------------------------------- keys
-def file_sha256(path: str | Path) -> str:
-    """Content hash of a file (the drafter checkpoint a head belongs to)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 @torch.no_grad()
 def target_fingerprint(target: Any, stride: int = 4099) -> str:
     """A cheap hash of the target's weights (every ``stride``-th value of each tensor, its

@@ -6,7 +6,6 @@ is converted once to a local safetensors directory so later loads take about a s
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -18,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import cache_root
+from flashspec.paths import cache_root, file_sha256
 from flashspec.models.llama import LlamaLM, LlamaShape
 
 log = logging.getLogger(__name__)
@@ -99,11 +98,7 @@ def gguf_key(gguf: str | Path) -> dict[str, object]:
 @lru_cache(maxsize=32)
 def _sha256(path: str, size: int, mtime_ns: int, ino: int) -> str:
     """Per-process memo only: each new process hashes the content again."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def gguf_cache_dir(gguf: str | Path, key: dict[str, object] | None = None) -> Path:
