@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from experiments.harness import (RunDir, build, build_arms, build_drafters, draft_context,
-                                 engine_options, head_axis_used, load_target, make_planner,
-                                 make_policy, prompt_set, run_dir)
+                                 engine_options, load_target, make_planner,
+                                 make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
 from flashspec.data import Prompt, chat_ids
 from flashspec.engine import Arm, SpecEngine
@@ -150,19 +150,19 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
     kw = engine_options(cfg, params, eos)
     plan = Plan(methods=[], arm_names=[])
     arms: list[Arm] = []
-    reward_kind = "alpha"
+    policies: list = []
     if {"spec", "each_arm", "full_head"} & set(wanted):
         ctx = draft_context(cfg, target, tokenizer)
         drafters = build_drafters(cfg.drafters, ctx)
         arms = build_arms(cfg.drafters, drafters)
         plan.arm_names = [a.name for a in arms]
-        reward_kind = make_policy(cfg.bandit, len(arms), int(cfg.seed)).reward_kind
+        policies = [make_policy(b, len(arms), int(cfg.seed))
+                    for b in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]]
     for m in wanted:
         if m == "ar":
             plan.methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
         elif m == "spec":
-            for k, cfg_bandit in enumerate([cfg.bandit, *(exp.get("extra_bandits") or {}).values()]):
-                policy = make_policy(cfg_bandit, len(arms), int(cfg.seed))
+            for k, policy in enumerate(policies):
                 planner = make_planner(cfg)
                 name = spec_name(arms, policy) + ("" if planner is None else "+goodput")
                 if k == 0:
@@ -175,7 +175,7 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                 plan.arms[i] = f"spec:{a.name}"
                 if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
                     continue
-                fixed = FixedArm(1, reward=reward_kind)   # rewards in the policy's own kind
+                fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
                 plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw)))
         elif m == "full_head":
             _full_head_reference(cfg, plan, ctx, drafters, arms, kw)
@@ -194,7 +194,7 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
     that drafter's full head (same backbone, same γ, same prompts)."""
     entries = cfg.drafters.drafters
     for i, arm in enumerate(arms):
-        if arm.drafter is None or not head_axis_used({"drafters": {arm.drafter.name: entries[arm.drafter.name]}}):
+        if arm.drafter is None or not takes_head(entries[arm.drafter.name]):
             continue
         full = build(entries[arm.drafter.name], _partial_=True)(
             ctx=ctx, name=arm.drafter.name, head=FullHeadChoice())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -124,12 +125,14 @@ def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- checks
+def takes_head(entry: DictConfig) -> bool:
+    """Whether a drafter entry takes the run's ``head`` choice (``head: ${head}``)."""
+    return "head" in entry and OmegaConf.is_interpolation(entry, "head")
+
+
 def head_axis_used(cfg_drafters: DictConfig) -> bool:
-    """Whether some drafter of the set takes the run's ``head`` choice (``head: ${head}``)."""
-    for entry in (cfg_drafters.get("drafters") or {}).values():
-        if "head" in entry and OmegaConf.is_interpolation(entry, "head"):
-            return True
-    return False
+    """Whether some drafter of the set takes the run's ``head`` choice."""
+    return any(takes_head(e) for e in (cfg_drafters.get("drafters") or {}).values())
 
 
 def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
@@ -164,7 +167,7 @@ def job_info(cfg: DictConfig) -> dict[str, Any]:
     info: dict[str, Any] = {"group": out_dir.name, "swept": {}, "choices": {}, "name": out_dir.name}
     if HydraConfig.initialized():
         hc = HydraConfig.get()
-        if str(hc.mode) == "RunMode.MULTIRUN":
+        if hc.mode == RunMode.MULTIRUN:
             sweep = Path(hc.sweep.dir)
             info["group"] = f"{sweep.parent.name}_{sweep.name}"
         info["swept"] = dict(o.split("=", 1) for o in hc.overrides.task if "=" in o

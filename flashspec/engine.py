@@ -21,6 +21,7 @@ from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphedStep
+from flashspec.inputs import check_generate_inputs
 from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
@@ -118,8 +119,6 @@ class SpecEngine:
 
     # ----------------------------------------------------------------- setup
     def _start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeState:
-        if any(len(p) == 0 for p in prompts):
-            raise FlashSpecError("empty prompt: every prompt needs at least one token")
         gamma_max = max(a.gamma for a in self.arms)
         capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
         limit = self.target.shape.max_positions
@@ -256,13 +255,10 @@ class SpecEngine:
         ``seed`` restarts the random streams (drafter sampling and verify) for this call, so
         its tokens do not depend on what the engine decoded before (a resumed run equals an
         uninterrupted one); None continues the engine's streams."""
+        check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
         if seed is not None:
             self.seed, self.calls = int(seed), 0
             self.generator.manual_seed(int(seed))
-        from flashspec.inputs import check_generate_inputs
-        check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
-        if max_new_tokens < 1:
-            raise FlashSpecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         t0, capture0 = time.perf_counter(), self.capture_s
         state = self._start(prompts, max_new_tokens)
         state.domain = domain
