@@ -25,6 +25,7 @@ from flashspec.inputs import check_generate_inputs
 from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
+from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
@@ -82,12 +83,19 @@ class SpecEngine:
     also runs that step through ``torch.compile`` before capture (fewer, fused kernels).
     ``planner`` (:class:`flashspec.planner.WidthPlanner`) verifies only as many of the arm's γ
     drafts per step as pay for their cost (0: a plain target step).
+
+    ``resident=True`` runs the steps through :mod:`flashspec.resident`: state on the device,
+    each arm's draft → verify → commit step one CUDA graph (with ``graphs`` on a GPU), replayed
+    in chunks of ``chunk`` steps; the policy and the planner decide per chunk, a chunk late.
+    Every drafter must support it (``Drafter.resident``) and the policy may condition on the
+    step and domain only.
     """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Policy | None = None,
                  params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
-                 compile: bool = False, planner: WidthPlanner | None = None) -> None:
+                 compile: bool = False, planner: WidthPlanner | None = None,
+                 resident: bool = False, chunk: int = 8) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -115,6 +123,19 @@ class SpecEngine:
         self.graphs, self.backend, self.compile = graphs, backend, compile
         self.min_capacity = 2048
         self.step_runner: GraphedStep | None = None
+        self.resident, self.chunk = resident, int(chunk)
+        self.resident_loop: ResidentLoop | None = None
+        if resident:
+            cannot = [d.name for d in self.drafters if not d.resident]
+            if cannot:
+                raise FlashSpecError(f"drafters {cannot} cannot draft in the resident loop; use "
+                                     "hardware.resident_loop=false")
+            extra = set(self.policy.context_keys) - {"step", "domain"}
+            if extra:
+                raise FlashSpecError(f"the resident loop gives policies the step and domain only; "
+                                     f"{self.policy.label} reads {sorted(extra)}")
+            if self.chunk < 1:
+                raise FlashSpecError(f"resident chunk must be >= 1, got {chunk}")
         self._retired_capture_s = 0.0   # capture time of step runners replaced with their cache
 
     # ----------------------------------------------------------------- setup
@@ -122,7 +143,7 @@ class SpecEngine:
         gamma_max = max(a.gamma for a in self.arms)
         capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
         limit = self.target.shape.max_positions
-        if self.graphs:  # one cache (and its graphs) for every prompt: no capture mid-run
+        if self.graphs or self.resident:  # one cache (and its graphs) for every prompt
             capacity = min(max(-(-capacity // 1024) * 1024, self.min_capacity), max(limit, capacity))
         if capacity > limit:
             raise FlashSpecError(f"prompt of {max(len(p) for p in prompts)} tokens + "
@@ -137,15 +158,17 @@ class SpecEngine:
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(batch, capacity)
             self._retired_capture_s = self.capture_s
-            self.step_runner = None
-        if self.graphs and self.step_runner is None:
+            self.step_runner = self.resident_loop = None
+        if self.graphs and not self.resident and self.step_runner is None:
             self.step_runner = GraphedStep(self.target, self.cache, self.backend_impl, self.params,
                                            compile=self.compile)
             self.step_runner.prepare(batch, self._step_widths())
         for arm in self.arms:
             if arm.drafter is not None:
                 arm.drafter.reset(batch, capacity)
-        if self.graphs:
+        if self.resident:
+            self._prepare_resident(batch)
+        elif self.graphs:
             self._graph_drafters(batch)
         width = max(state.lengths) - 1
         if width > 0:  # prefill everything but the last prompt token
@@ -162,10 +185,30 @@ class SpecEngine:
             gamma = max(a.gamma for a in self.arms if a.drafter is drafter)
             drafter.prepare_graphs(batch, gamma, self.params, self.target.device, capture)
 
+    def _resident_arms(self) -> list[tuple[Drafter | None, int]]:
+        """Every (drafter, γ') step the resident loop may launch (the planner: any γ' <= γ)."""
+        arms: dict = {}
+        for arm in self.arms:
+            if arm.drafter is None or arm.gamma == 0 or self.planner is not None:
+                arms[(None, 0)] = None
+            if arm.drafter is not None:
+                for g in (range(1, arm.gamma + 1) if self.planner is not None else [arm.gamma]):
+                    arms[(arm.drafter, g)] = None
+        return list(arms)
+
+    def _prepare_resident(self, batch: int) -> None:
+        """The resident loop of this cache, its steps captured before the prefill."""
+        if self.resident_loop is None:
+            self.resident_loop = ResidentLoop(self.target, self.cache, self.backend_impl,
+                                              self.params, sorted(self.eos_ids), batch,
+                                              max(a.gamma for a in self.arms), self.graphs)
+        self.resident_loop.prepare(self._resident_arms())
+
     @property
     def capture_s(self) -> float:
         """CUDA-graph capture time spent by this engine so far (step runners and drafters)."""
         runner = self.step_runner.capture_s if self.step_runner is not None else 0.0
+        runner += self.resident_loop.capture_s if self.resident_loop is not None else 0.0
         drafters = sum(d.capture_s for d in self.drafters)
         return self._retired_capture_s + runner + drafters
 
@@ -260,6 +303,8 @@ class SpecEngine:
             self.seed, self.calls = int(seed), 0
             self.generator.manual_seed(int(seed))
         t0, capture0 = time.perf_counter(), self.capture_s
+        if self.resident:
+            return self._generate_resident(prompts, max_new_tokens, domain, t0, capture0)
         state = self._start(prompts, max_new_tokens)
         state.domain = domain
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
@@ -298,6 +343,76 @@ class SpecEngine:
                 self.policy.update(arm_id, r, step_s[-1], context)
         for b, row in enumerate(rows):
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
+        t1 = time.perf_counter()
+        return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
+                           capture_s=self.capture_s - capture0)
+
+    def _generate_resident(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                           domain: str | None, t0: float, capture0: float) -> BatchResult:
+        """:meth:`generate` through the resident loop (see :mod:`flashspec.resident`)."""
+        state = self._start(prompts, max_new_tokens)
+        for drafter in self.drafters:
+            drafter.resident_start(state)
+        loop = self.resident_loop
+        loop.state.load(state, max_new_tokens, self.seed, self.calls)
+        batch = len(prompts)
+        rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
+        if self.planner is not None:
+            self.planner.reset(batch)
+        step_s: list[float] = []
+        last = {k: [0] * batch for k in COUNTERS}
+        last["budgets"] = [max_new_tokens] * batch
+        t_decode = time.perf_counter()
+
+        def choose() -> tuple[tuple[Drafter | None, int], tuple[int, int, dict]]:
+            context = {"step": len(step_s), "domain": domain}
+            arm_id = self.policy.select(context)
+            arm = self.arms[arm_id]
+            k = arm.gamma if arm.drafter is not None else 0
+            if self.planner is not None and k:
+                live = [0 if f else b for f, b in zip(last["finished"], last["budgets"])]
+                k = self.planner.plan(arm.gamma, [arm.gamma if n else 0 for n in live], live)
+            return (arm.drafter if k else None, k), (arm_id, k, context)
+
+        def observe(snap: Snapshot, now: dict[str, list[int]]) -> None:
+            delta = {k: [a - b for a, b in zip(now[k], last[k])] for k in COUNTERS[:4]}
+            last.update(now)
+            n_live = max(delta["steps"])
+            if n_live == 0:
+                return
+            arm_id, k, context = snap.arm
+            seconds = snap.seconds()
+            step_s.extend([seconds / snap.n_steps] * n_live)
+            if self.planner is not None and self.arms[arm_id].drafter is not None:
+                tries = [a + s - f for a, s, f in zip(delta["accepted"], delta["steps"], delta["full"])]
+                self.planner.observe_counts(k, seconds / snap.n_steps,
+                                            delta["accepted"] if k else [0] * batch,
+                                            tries if k else [0] * batch)
+            proposed, accepted = sum(delta["proposed"]), sum(delta["accepted"])
+            empty = k > 0 and proposed == 0 and self.reward_kind != "tps"
+            if proposed or empty or self.reward_kind == "tps":
+                r = 0.0 if empty else reward(self.reward_kind, proposed, accepted, seconds,
+                                             max(seconds, 1e-9), n_rows=sum(delta["steps"]))
+                self.policy.update(arm_id, r, seconds / snap.n_steps, context)
+            else:
+                r = None
+            for row, n in zip(rows, delta["steps"]):
+                row.arms.extend([arm_id] * n)
+                if r is not None:
+                    row.rewards.extend([r] * n)
+
+        run_chunks(loop, choose, observe, max_new_tokens, self.chunk)
+        if any(last["bad"]):
+            raise FloatingPointError("verify rejected a row: NaN/inf logits or an out-of-range "
+                                     "draft token; refusing to emit tokens")
+        tokens, hist = loop.tokens(state), loop.histogram()
+        self.calls = int(loop.state.calls)
+        for b, row in enumerate(rows):
+            row.tokens = tokens[b][row.n_prompt_tokens:]
+            row.steps, row.n_proposed = last["steps"][b], last["proposed"][b]
+            row.n_accepted = last["accepted"][b]
+            used = [i for i, c in enumerate(hist[b]) if c]
+            row.accept_hist = hist[b][:max(used) + 1] if used else []
         t1 = time.perf_counter()
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
                            capture_s=self.capture_s - capture0)

@@ -120,19 +120,28 @@ class WidthPlanner:
                 live: list[bool]) -> None:
         """One step's outcome: its width, wall time (None: not representative, e.g. a drafter
         catching up on a whole prompt) and, per live row, real drafts and accepts."""
+        hits, tries = [], []
+        for m, n, on in zip(real, accepted, live):
+            hit = min(n, m) if on and m else 0
+            hits.append(hit)
+            tries.append(hit + (1 if on and m and n < m else 0))
+        self.observe_counts(k, step_s, hits, tries)
+
+    def observe_counts(self, k: int, step_s: float | None, hits: list[int], tries: list[int]
+                       ) -> None:
+        """Several steps of width k at once (the resident loop's chunks): the mean step time
+        and, per row, accepted drafts and acceptance trials summed over those steps."""
         if step_s is not None:
             old = self.cost.get(k)
             self.cost[k] = step_s if old is None else old + self.smoothing * (step_s - old)
             self.seen[k] = self.seen.get(k, 0) + 1
         step_succ = step_trials = 0
-        for i, (m, n, on) in enumerate(zip(real, accepted, live)):
-            if not on or m == 0:
+        for i, (hit, tried) in enumerate(zip(hits, tries)):
+            if not tried:
                 continue
-            hits = min(n, m)
-            tries = hits + (1 if n < m else 0)
-            self.succ[i] = self.decay * self.succ[i] + hits
-            self.trials[i] = self.decay * self.trials[i] + tries
-            step_succ, step_trials = step_succ + hits, step_trials + tries
+            self.succ[i] = self.decay * self.succ[i] + hit
+            self.trials[i] = self.decay * self.trials[i] + tried
+            step_succ, step_trials = step_succ + hit, step_trials + tried
         if step_trials:
             self.batch_succ = self.decay * self.batch_succ + step_succ
             self.batch_trials = self.decay * self.batch_trials + step_trials

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphCache
 from flashspec.models.llama import LlamaLM
 from flashspec.options import DEFAULT, KernelOptions
@@ -124,6 +125,27 @@ class Drafter(ABC):
         """Whether the last proposal ran a long eager window (e.g. a new prompt)."""
         return False
 
+    # ------------------------------------------------------------------ resident loop
+    # (flashspec.resident): drafting as device ops over the device token buffer, no host state
+    resident: bool = False    # whether the four methods below are implemented
+
+    def resident_start(self, state: DecodeState) -> None:
+        """After the target's prefill of ``state``: catch up on the prompts."""
+
+    def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
+                       params: SamplingParams, seed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(drafts [B, γ], their logits or None, real drafts per row [B] or None = γ) from the
+        committed ``tokens`` [B, C] of ``lengths`` [B]; device ops only (graph-safe)."""
+        raise FlashSpecError(f"drafter {self.name!r} cannot draft in the resident loop")
+
+    def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The target's hidden states [B, γ+1, d] of the step fed at positions lengths - 1 + j."""
+
+    def resident_buffers(self) -> tuple:
+        """Identity of the device buffers a captured step reads (data pointers)."""
+        return ()
+
 
 class GraphedDrafting:
     """Mixin of model drafters: all γ drafting steps as one device function that a CUDA graph
@@ -178,6 +200,30 @@ class GraphedDrafting:
         _, _, gamma, params = key
         return self._draft(tokens, positions, last_idx, last_pos, gamma, params, None,
                            None if params.greedy else seed, None)
+
+    resident = True
+
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        """Run the drafter over a window (its cache slots become valid); no drafting."""
+        raise NotImplementedError
+
+    def resident_start(self, state: DecodeState) -> None:
+        width = max(state.lengths)
+        tokens, positions = state.window([0] * state.batch, width)
+        self._catch_up(tokens, positions, width)
+
+    def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
+                       params: SamplingParams, seed: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """Re-read the last γ + 1 committed tokens (a fixed window: one graph shape; the slots
+        it rewrites hold the same values or stale speculative ones), then draft γ tokens."""
+        width = gamma + 1
+        start = (lengths - width).clamp(min=0)
+        positions = start[:, None] + torch.arange(width, device=lengths.device)
+        window = tokens.gather(1, positions)
+        drafts, logits = self._draft(window, positions, lengths - 1 - start, lengths, gamma,
+                                     params, None, None if params.greedy else seed, None)
+        return drafts, logits, None
 
     def _drafts(self, state: DecodeState, starts: list[int], width: int, gamma: int,
                 params: SamplingParams, generator: torch.Generator | None

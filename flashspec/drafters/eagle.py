@@ -139,6 +139,26 @@ class EagleDrafter(GraphedDrafting, Drafter):
                               None if span is None else span + i + 1)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
+    # ------------------------------------------------------------------ resident loop
+    def resident_start(self, state: DecodeState) -> None:
+        self._absorb(state)
+        super().resident_start(state)
+
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
+        self._run(feats, tokens, positions, span)
+
+    def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Features f_{L-1+j} of the step go to columns L + j; the columns of rejected drafts
+        are rewritten by the next step before any window reads them."""
+        cols = lengths[:, None] + torch.arange(hidden.shape[1], device=hidden.device)
+        cols = cols.clamp(max=self.feats.shape[1] - 1)
+        self.feats.scatter_(1, cols[..., None].expand(-1, -1, hidden.shape[-1]),
+                            hidden.to(self.feats.dtype))
+
+    def resident_buffers(self) -> tuple:
+        return (self.feats.data_ptr(), self.cache.k.data_ptr())
+
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         self._absorb(state)
         self.filled = [min(f, n) for f, n in zip(self.filled, state.lengths)]

@@ -105,6 +105,12 @@ class ModelDrafter(GraphedDrafting, Drafter):
                                     None if span is None else span + i + 1)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        self.model.forward_hidden(tokens, positions, self.cache, self.layers, span)
+
+    def resident_buffers(self) -> tuple:
+        return (self.cache.k.data_ptr(),)
+
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         # positions up to the last accepted draft are valid; the correction token is not fed yet
         self.filled = [min(f, n - 1) for f, n in zip(self.filled, state.lengths)]

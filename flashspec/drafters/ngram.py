@@ -21,6 +21,36 @@ def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> lis
     return []
 
 
+def device_lookup(tokens: torch.Tensor, lengths: torch.Tensor, gamma: int, max_ngram: int,
+                  min_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lookup` for every row at once as device ops over the buffer ``tokens`` [B, C]
+    holding ``lengths`` [B] committed tokens: (drafts [B, γ], real drafts per row [B]).
+
+    Rows without a match (or with fewer than γ tokens after theirs) are padded by repeating
+    their last token; the padding is a deterministic proposal too, so verification stays exact.
+    """
+    batch, cap = tokens.shape
+    span = torch.arange(cap, device=tokens.device)
+    follow = torch.full_like(lengths, -1)        # where the chosen continuation starts
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= cap:
+            continue
+        suffix = tokens.gather(1, (lengths[:, None] - n + span[:n]).clamp(min=0))
+        starts = span[:cap - n]
+        match = torch.ones(batch, cap - n, dtype=torch.bool, device=tokens.device)
+        for k in range(n):
+            match &= tokens[:, k:cap - n + k] == suffix[:, k:k + 1]
+        # an earlier occurrence: it starts before the suffix does (start <= L - n - 1)
+        match &= (starts[None] <= (lengths - n - 1)[:, None]) & (lengths > n)[:, None]
+        latest = torch.where(match, starts[None], -1).amax(1)
+        follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
+    real = torch.where(follow >= 0, (lengths - follow).clamp(max=gamma), 0)
+    idx = follow.clamp(min=0)[:, None] + span[:gamma]
+    last = (lengths - 1)[:, None].expand(-1, gamma)
+    idx = torch.where(span[None, :gamma] < real[:, None], idx, last)
+    return tokens.gather(1, idx), real
+
+
 class NgramIndex:
     """Incremental :func:`lookup` for one growing token list: O(new tokens) per query.
 
@@ -61,6 +91,14 @@ class NgramDrafter(Drafter):
 
     def reset(self, batch: int, capacity: int) -> None:
         self.index, self._last = {}, None
+
+    resident = True
+
+    def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
+                       params: SamplingParams, seed: torch.Tensor
+                       ) -> tuple[torch.Tensor, None, torch.Tensor]:
+        drafts, real = device_lookup(tokens, lengths, gamma, self.max_ngram, self.min_ngram)
+        return drafts, None, real
 
     def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
         owner, index = self.index.get(b, (None, None))

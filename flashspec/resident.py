@@ -1,0 +1,286 @@
+"""The resident decode loop: draft → verify → commit as device ops on device-resident state.
+
+The reference loop (:meth:`flashspec.engine.SpecEngine.generate` without ``resident``) keeps
+lengths, tokens and finished flags in host lists and reads every step's result back. Here
+that state lives on the device (:class:`DeviceState`), and one step of an arm (drafter, γ) is
+a pure device function of it:
+
+1. the drafter proposes γ tokens from the committed token buffer (model drafters re-read a
+   fixed window of the last γ + 1 committed tokens, so the step has one shape; prompt lookup
+   matches n-grams over the buffer on the device);
+2. the target scores [last committed token, drafts] over its whole static cache and the
+   verify backend accepts a prefix and emits one more token, with seeds derived on the device
+   from the run seed and a call counter (the very seeds of the reference loop's calls);
+3. commit: accepted tokens are scattered into the buffer, clipped at EOS and at each row's
+   budget; lengths, budgets, finished flags and the acceptance counters advance in place.
+
+With ``capture`` (CUDA) every arm's step is one CUDA graph, replayed back to back in chunks;
+after each chunk the counters are copied asynchronously into pinned host memory with an event,
+and the host waits on a chunk only once the next one is queued, so the GPU never idles on the
+host. Finished rows commit nothing, so the steps launched past the end change nothing. Policy
+and planner decide per chunk from the counters of an earlier chunk: exactness never depends on
+them. On a CPU the same step runs eagerly (the path the tests compare with the reference loop).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.errors import FlashSpecError
+from flashspec.graphs import capture as capture_graph
+from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.verify import rng
+from flashspec.verify.api import Backend
+from flashspec.verify.sampling import SamplingParams
+
+DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream
+COUNTERS = ("steps", "proposed", "accepted", "full", "lengths", "budgets", "finished", "bad")
+
+
+@dataclass
+class DeviceState:
+    """Decode state of a batch on the device; every tensor is updated in place (graph-safe)."""
+
+    tokens: torch.Tensor     # [B, C + 1] prompt + committed tokens; column C takes masked writes
+    lengths: torch.Tensor    # [B] committed length
+    budgets: torch.Tensor    # [B] tokens each row may still emit
+    finished: torch.Tensor   # [B] bool
+    steps: torch.Tensor      # [B] steps the row was live in
+    proposed: torch.Tensor   # [B] real drafts offered to the row
+    accepted: torch.Tensor   # [B] drafts accepted (at most the real ones)
+    full: torch.Tensor       # [B] steps where every real draft was accepted
+    bad: torch.Tensor        # [B] bool: verify flagged the row (NaN/inf logits)
+    hist: torch.Tensor       # [B, G + 1] accepted-count histogram
+    seed: torch.Tensor       # [] run seed (low 32 bits)
+    calls: torch.Tensor      # [] verify calls so far: the counter of the random streams
+
+    @classmethod
+    def allocate(cls, batch: int, capacity: int, gamma_max: int, device: torch.device
+                 ) -> "DeviceState":
+        z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)
+        return cls(tokens=z(batch, capacity + 1), lengths=z(batch), budgets=z(batch),
+                   finished=z(batch, dtype=torch.bool), steps=z(batch), proposed=z(batch),
+                   accepted=z(batch), full=z(batch), bad=z(batch, dtype=torch.bool),
+                   hist=z(batch, gamma_max + 1), seed=z(()), calls=z(()))
+
+    def load(self, state: DecodeState, max_new_tokens: int, seed: int, calls: int) -> None:
+        """Start a batch: the prompts of ``state`` (already prefilled), fresh counters."""
+        n = state.tokens.shape[1]
+        self.tokens.zero_()
+        self.tokens[:, :n].copy_(state.tokens)
+        self.lengths.copy_(torch.tensor(state.lengths))
+        self.budgets.fill_(max_new_tokens)
+        self.finished.zero_()
+        for t in (self.steps, self.proposed, self.accepted, self.full, self.bad, self.hist):
+            t.zero_()
+        self.seed.fill_(seed & rng.MASK32)
+        self.calls.fill_(calls)
+
+    @property
+    def dump(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def counters(self) -> torch.Tensor:
+        """[len(COUNTERS), B] int64 snapshot of the per-row counters (one device tensor)."""
+        return torch.stack([self.steps, self.proposed, self.accepted, self.full, self.lengths,
+                            self.budgets, self.finished.long(), self.bad.long()])
+
+
+@dataclass
+class Snapshot:
+    """Counters after a chunk, copied to pinned host memory; ``ready`` says when they landed."""
+
+    host: torch.Tensor
+    arm: object            # the tag of the chunk's decision
+    n_steps: int
+    start: torch.cuda.Event | float | None
+    end: torch.cuda.Event | float | None
+
+    def wait(self) -> dict[str, list[int]]:
+        if isinstance(self.end, torch.cuda.Event):
+            self.end.synchronize()
+        return {k: row for k, row in zip(COUNTERS, self.host.tolist())}
+
+    def seconds(self) -> float:
+        if isinstance(self.end, torch.cuda.Event):
+            return self.start.elapsed_time(self.end) / 1000.0
+        return float(self.end - self.start)
+
+
+class ResidentLoop:
+    """Device-resident steps of a set of arms for one (batch, cache): ``load`` a prefilled
+    batch, ``launch(arm, n)`` steps of an arm, ``snapshot()`` the counters without a stall.
+
+    An arm key is (drafter or None, γ); γ = 0 (or no drafter) is a plain target step.
+    """
+
+    def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
+                 eos_ids: Sequence[int], batch: int, gamma_max: int, capture: bool) -> None:
+        self.target, self.cache, self.params = target, cache, params
+        self.verify = backend.verify
+        dev = target.device
+        self.capture = capture and dev.type == "cuda"
+        if self.capture and not backend.fuses_in_graph(params):
+            raise FlashSpecError(f"the resident loop captures verification in a CUDA graph; the "
+                                 f"{backend.name!r} verify backend cannot run there with {params} "
+                                 "(use hardware.verify_backend=triton, without top-k/top-p)")
+        self.state = DeviceState.allocate(batch, cache.capacity, gamma_max, dev)
+        self.rows = torch.arange(batch, device=dev)
+        self.cols = torch.arange(gamma_max + 1, device=dev)
+        self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.capture_s = 0.0
+        self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
+                                  pin_memory=dev.type == "cuda") for _ in range(4)]
+        self._next = 0
+
+    # ------------------------------------------------------------------ graphs
+    def prepare(self, arms: Sequence[tuple[Drafter | None, int]]) -> None:
+        """Capture every arm's step (before the prefill: the warm-up steps write cache slots of
+        a dummy batch, which the prompts rewrite before any query attends them)."""
+        if not self.capture:
+            return
+        s = self.state
+        for arm in arms:
+            known = self.graphs.get(self._key(arm))
+            if known is not None and known[1] == self._signature(arm[0]):
+                continue
+            s.lengths.fill_(arm[1] + 2)
+            s.budgets.fill_(1 << 30)
+            s.finished.zero_()
+            t0 = time.perf_counter()
+            graph, _ = capture_graph(lambda: self.step(*arm))
+            self.graphs[self._key(arm)] = (graph, self._signature(arm[0]))
+            self.capture_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _key(arm: tuple[Drafter | None, int]) -> Hashable:
+        drafter, gamma = arm
+        return (None, 0) if drafter is None or gamma == 0 else (id(drafter), gamma)
+
+    @staticmethod
+    def _signature(drafter: Drafter | None) -> tuple:
+        """The drafter buffers a graph was recorded on (a reallocation invalidates it)."""
+        return () if drafter is None else drafter.resident_buffers()
+
+    # ------------------------------------------------------------------ one step
+    def step(self, drafter: Drafter | None, gamma: int) -> None:
+        """One draft → verify → commit step of every row, as device ops only."""
+        s, target = self.state, self.target
+        lengths = s.lengths
+        verify_seed = rng.mix32((s.seed * rng.GOLDEN + s.calls * rng.MUL_A) & rng.MASK32)
+        if drafter is None or gamma == 0:
+            gamma = 0
+            drafts, q, real = lengths.new_zeros(lengths.shape[0], 0), None, None
+        else:
+            drafts, q, real = drafter.resident_draft(s.tokens, lengths, gamma, self.params,
+                                                     verify_seed ^ DRAFT_STREAM)
+        last = s.tokens.gather(1, (lengths - 1)[:, None])
+        feed = torch.cat([last, drafts], dim=1)
+        positions = (lengths - 1)[:, None] + self.cols[:gamma + 1]
+        hidden = target.forward_hidden(feed, positions, self.cache)
+        out, n_acc = self.verify(target.logits(hidden), drafts, q, self.params, verify_seed)
+        if drafter is not None and gamma:
+            drafter.resident_absorb(hidden, lengths)
+        self._commit(out, n_acc, gamma, real)
+        s.calls.add_(1)
+
+    def _commit(self, out: torch.Tensor, n_acc: torch.Tensor, gamma: int,
+                real: torch.Tensor | None) -> None:
+        """Append each live row's accepted tokens + one, clipped at EOS and its budget."""
+        s = self.state
+        live = ~s.finished
+        cols = self.cols[:gamma + 1]
+        emit = torch.minimum((n_acc + 1).clamp(min=0), s.budgets)   # n_acc = -1: a flagged row
+        is_eos = (out[..., None] == self.eos).any(-1) & (cols < emit[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, emit)
+        emit = torch.minimum(emit, first_eos) * live
+        valid = cols < emit[:, None]
+        where = torch.where(valid, s.lengths[:, None] + cols, s.dump)
+        s.tokens.scatter_(1, where, out.clamp(min=0))
+        ended = (is_eos & valid).any(1)
+        s.lengths.add_(emit)
+        s.budgets.sub_(emit)
+        s.finished.logical_or_(ended | (s.budgets <= 0))
+        n = n_acc.clamp(min=0)
+        offered = torch.full_like(n, gamma) if real is None else real
+        hits = torch.minimum(n, offered)
+        on = live.long()
+        s.steps.add_(on)
+        s.proposed.add_(offered * on)
+        s.accepted.add_(hits * on)
+        s.full.add_(((hits == offered) & (offered > 0)).long() * on)
+        s.hist.index_put_((self.rows, n.clamp(max=s.hist.shape[1] - 1)), on, accumulate=True)
+        s.bad.logical_or_((n_acc < 0) & live)
+
+    # ------------------------------------------------------------------ driving
+    def launch(self, arm: tuple[Drafter | None, int], n_steps: int) -> None:
+        """Run ``n_steps`` steps of ``arm`` (graph replays when captured)."""
+        entry = self.graphs.get(self._key(arm))
+        if entry is not None and entry[1] != self._signature(arm[0]):
+            raise FlashSpecError("a drafter reallocated its buffers after its resident step was "
+                                 "captured; build the engine again for the new batch shape")
+        for _ in range(n_steps):
+            if entry is not None:
+                entry[0].replay()
+            else:
+                self.step(*arm)
+
+    def mark(self) -> torch.cuda.Event | float:
+        """A point in time on the device's stream (the start of a chunk)."""
+        if self.capture:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def snapshot(self, arm: Hashable, n_steps: int, start: torch.cuda.Event | float) -> Snapshot:
+        """Counters after the launched steps, copied without stalling the device."""
+        host = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        host.copy_(self.state.counters(), non_blocking=self.capture)
+        return Snapshot(host, arm, n_steps, start, self.mark())
+
+    def tokens(self, state: DecodeState) -> list[list[int]]:
+        """Every row's committed tokens (prompt included), read once at the end."""
+        lengths = self.state.lengths.tolist()
+        rows = self.state.tokens[:, :max(lengths)].tolist()
+        return [row[:n] for row, n in zip(rows, lengths)]
+
+    def histogram(self) -> list[list[int]]:
+        return self.state.hist.tolist()
+
+
+def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) -> None:
+    """Launch chunks of ``chunk`` steps until every row finished (or ``max_steps`` ran).
+
+    ``choose()`` gives (the arm of the next chunk, a tag kept in its snapshot);
+    ``observe(snapshot, counters)`` hears each
+    chunk's counters. The host waits on a chunk only after queueing the next one, so decisions
+    take effect one chunk late and the device never waits for the host.
+    """
+    pending: deque[Snapshot] = deque()
+    launched = 0
+    arm, tag = choose()
+    while launched < max_steps:
+        n = min(chunk, max_steps - launched)
+        start = loop.mark()
+        loop.launch(arm, n)
+        launched += n
+        pending.append(loop.snapshot(tag, n, start))
+        if loop.capture and len(pending) < 2 and launched < max_steps:
+            continue          # keep one chunk queued ahead of the one the host waits on
+        snap = pending.popleft()
+        counters = snap.wait()
+        observe(snap, counters)
+        if all(counters["finished"]):
+            break
+        arm, tag = choose()
+    while pending:
+        snap = pending.popleft()
+        observe(snap, snap.wait())
