@@ -38,12 +38,12 @@ def small(tmp_path_factory):
 
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
-                 policy=None, graphs: bool = False) -> np.ndarray:
+                 policy=None, graphs: bool = False, resident: bool = False) -> np.ndarray:
     """N rows × NEW tokens from the engine, in chunks of identical prompts."""
     out = []
     for c in range(N // CHUNK):
         engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
-                            graphs=graphs)
+                            graphs=graphs, resident=resident)
         engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
         rows = engine.generate([prompt] * CHUNK, NEW).rows
         out.append(np.array([r.tokens[:NEW] for r in rows]))
@@ -71,8 +71,7 @@ def arms_for(model, kind: str) -> list[Arm]:
         return [Arm(eagle, 2)]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
-    return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip],
-            "layerskip_static": [skip]}[kind]
+    return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
 
 
 EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr72.safetensors"
@@ -80,16 +79,20 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
 
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
                                                     ("eagle", 1.0, 0),
-                                                    ("layerskip_static", 1.0, 0)])
+                                                    ("layerskip_static", 1.0, 0),
+                                                    ("eagle_resident", 1.0, 0),
+                                                    ("bandit_resident", 0.7, 50)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
     """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
-    by counter-based Gumbel-max) run eagerly on the CPU."""
+    by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
+    (device state, device n-gram lookup, device seeds), eagerly on the CPU."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
-    arms = arms_for(model, kind)
-    policy = UCB1(len(arms), seed=0) if kind == "bandit" else None
+    base, _, mode = kind.partition("_")
+    arms = arms_for(model, base)
+    policy = UCB1(len(arms), seed=0) if base == "bandit" else None
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
-                        graphs=kind.endswith("_static"))
+                        graphs=mode == "static", resident=mode == "resident")
     ar = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
@@ -98,13 +101,14 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     assert first.passed, first.summary()
     p_pair = pair_homogeneity(spec, ar)
     assert p_pair >= 0.01, f"joint (x0, x1) differs from target-only sampling: p={p_pair:.3g}"
-    if kind == "bandit":
+    if base == "bandit":
         assert (np.asarray(policy.counts) > 0).all(), "the bandit must have tried every arm"
 
 
-def test_engine_gate_catches_a_drafter_that_lies_about_q(small):
+@pytest.mark.parametrize("resident", [False, True])
+def test_engine_gate_catches_a_drafter_that_lies_about_q(small, resident):
     """Power at the engine level: a drafter that reports a q other than the one it sampled from
-    (here: uniform, so nearly every draft is accepted) fails the gate."""
+    (here: uniform, so nearly every draft is accepted) fails the gate, in both loops."""
     model, prompt = small
 
     class WrongQ(ModelDrafter):
@@ -112,8 +116,13 @@ def test_engine_gate_catches_a_drafter_that_lies_about_q(small):
             tokens, logits = super().propose(state, gamma, params, generator)
             return tokens, torch.zeros_like(logits)  # sampled from q, reported as uniform
 
+        def resident_draft(self, tokens, lengths, gamma, params, seed):
+            drafts, logits, real = super().resident_draft(tokens, lengths, gamma, params, seed)
+            return drafts, torch.zeros_like(logits), real
+
     params = SamplingParams(temperature=1.0)
-    spec = sample_pairs(model, prompt, [Arm(WrongQ(model, [0], name="liar"), 2)], params, seed=5)
+    spec = sample_pairs(model, prompt, [Arm(WrongQ(model, [0], name="liar"), 2)], params, seed=5,
+                        resident=resident)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
     probs = exact_target_probs(logits, 1.0)

@@ -223,7 +223,7 @@ class GraphedDrafting:
         window = tokens.gather(1, positions)
         drafts, logits = self._draft(window, positions, lengths - 1 - start, lengths, gamma,
                                      params, None, None if params.greedy else seed, None)
-        return drafts, logits, None
+        return drafts, None if params.greedy else logits, None   # greedy verify ignores q
 
     def _drafts(self, state: DecodeState, starts: list[int], width: int, gamma: int,
                 params: SamplingParams, generator: torch.Generator | None

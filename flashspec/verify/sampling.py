@@ -81,15 +81,16 @@ def _mask_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           seed: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs).
+           seed: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs), the
+    logprobs None when greedy (the argmax of the raw logits: no softmax on the drafting path).
 
     With a device ``seed`` the draw is Gumbel-max over counter-based uniforms of (seed,
     stream = row * 64 + step) instead of ``generator``: no torch RNG state, so a CUDA graph can
     replay it with a new seed."""
-    logp = warp_logprobs(logits, params)
     if params.greedy:
-        return logp.argmax(dim=-1), logp
+        return logits.argmax(dim=-1), None
+    logp = warp_logprobs(logits, params)
     flat = logp.reshape(-1, logp.shape[-1])
     if seed is None:
         tok = torch.multinomial(flat.exp(), 1, generator=generator)

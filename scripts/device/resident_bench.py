@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""The resident loop against the reference loop and target-only AR, on one GPU (no Hydra).
+
+Every method of a cell runs in one process on the same prompts, drawn with ``--seed`` from the
+eval split (a seed the committed records do not use), interleaved prompt by prompt with the
+method order rotating, after a warm-up call per engine (graph capture). Reported per method:
+pooled tok/s (all new tokens / all decode time), the ratio to the reference loop's AR, α, τ,
+and whether greedy output equals AR's token for token. MT-Bench: first turns only.
+
+    python scripts/device/resident_bench.py --gguf /dev/shm/smollm2.gguf --cells he_b1 mt_b1 \
+        he_b1_t1 mt_b1_t1 he_b32 [--n 8] [--new 128] [--out results.jsonl]
+    python scripts/device/resident_bench.py --scale     # 8B-shaped target, 1B-shaped drafter
+
+``--scale``: random weights (acceptance is meaningless), so only step costs: one resident step
+of target-only AR and of the 1B drafter at γ (graph replays), and the speedup they predict at
+α = 0.6 / 0.7 / 0.8 (i.i.d. acceptance): E[tokens | α, γ] · T_ar / T_step(γ).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from flashspec.data import chat_ids, load_prompts
+from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.heads import LowRankChoice
+from flashspec.models import load_model
+from flashspec.models.fused import fuse_model
+from flashspec.models.loading import dummy_config, random_model
+from flashspec.planner import WidthPlanner
+from flashspec.theory import expected_tau
+from flashspec.verify import SamplingParams, get_backend
+
+CELLS = {  # name: (dataset, batch, temperature)
+    "he_b1": ("humaneval", 1, 0.0), "mt_b1": ("mtbench", 1, 0.0),
+    "he_b1_t1": ("humaneval", 1, 1.0), "mt_b1_t1": ("mtbench", 1, 1.0),
+    "he_b32": ("humaneval", 32, 0.0),
+}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def emit(out, **row) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out is not None:
+        out.write(line + "\n")
+        out.flush()
+
+
+def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingParams, eos: list[int],
+            batch: int) -> dict[str, SpecEngine]:
+    kw = dict(params=params, backend=get_backend("triton"), seed=0, eos_ids=eos, graphs=True)
+    res = dict(kw, resident=True)
+    engines = {
+        "ar_ref": SpecEngine(model, [Arm(None, 0)], **kw),
+        "ar_res": SpecEngine(model, [Arm(None, 0)], **res),
+        "eagle4_ref": SpecEngine(model, [Arm(eagle, 4)], **kw),
+        "eagle3_res": SpecEngine(model, [Arm(eagle, 3)], **res),
+        "eagle4_res": SpecEngine(model, [Arm(eagle, 4)], **res),
+        "eagle5_res": SpecEngine(model, [Arm(eagle, 5)], **res),
+        "eagle5_res_planner": SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
+        "ngram8_res": SpecEngine(model, [Arm(ngram, 8)], **res),
+        "ngram8_res_planner": SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
+    }
+    if batch > 1:  # the reference loop's speculative step is the slow one at batch 32
+        engines["eagle4_ref_planner"] = SpecEngine(model, [Arm(eagle, 4)], planner=WidthPlanner(), **kw)
+    return engines
+
+
+def drafter(model, tok, checkpoint: str, device: str) -> EagleDrafter:
+    """The trained EAGLE drafter with the rank-72 head trained with it (the default config's
+    ``head=lowrank``, d/8): its features are fitted to that head, not to the target's."""
+    ctx = DraftContext(model, tok, device, str(model.dtype).removeprefix("torch."))
+    return EagleDrafter.build(ctx, "eagle", checkpoint=checkpoint,
+                              head=LowRankChoice(rank=72, init="trained"))
+
+
+def profile(model, tok, checkpoint: str, out, gamma: int = 4) -> None:
+    """Kernels of one resident EAGLE step at B = 1 (20 graph replays under torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    eagle = drafter(model, tok, checkpoint, "cuda")
+    prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
+    for g in (0, gamma):
+        arm = Arm(eagle, g) if g else Arm(None, 0)
+        e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
+                       eos_ids=[tok.eos_token_id])
+        e.generate([prompt], 64)
+        e.resident_loop.state.budgets.fill_(1 << 20)
+        e.resident_loop.state.finished.zero_()
+        key = (eagle, g) if g else (None, 0)
+        e.resident_loop.launch(key, 3)
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            e.resident_loop.launch(key, 20)
+            sync()
+        events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA"]
+        total = sum(ev.device_time_total for ev in events) / 20
+        kernels = sum(ev.count for ev in events) / 20
+        emit(out, check="profile", gamma=g, kernels_per_step=kernels, gpu_us_per_step=round(total, 1))
+        for ev in sorted(events, key=lambda ev: -ev.device_time_total)[:18]:
+            emit(out, check="kernel", gamma=g, name=ev.key[:90], per_step=ev.count / 20,
+                 us_per_step=round(ev.device_time_total / 20, 1))
+
+
+def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
+             device: str) -> None:
+    dataset, batch, temperature = CELLS[name]
+    params = SamplingParams(temperature=temperature)
+    prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts(dataset, n=max(n, batch),
+                                                                        seed=seed)]
+    eagle = drafter(model, tok, eagle_ckpt, device)
+    engines = methods(model, eagle, NgramDrafter(), params, [tok.eos_token_id], batch)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    warm = groups[0]
+    t_cold = {}
+    for m, e in engines.items():
+        t0 = time.perf_counter()
+        e.generate(warm, 16, seed=1)
+        sync()
+        t_cold[m] = round(time.perf_counter() - t0, 2)
+    stats = {m: dict(tokens=0, seconds=0.0, steps=0, accepted=0, proposed=0, outs=[]) for m in engines}
+    order = list(engines)
+    for g, group in enumerate(groups):
+        for m in order[g % len(order):] + order[:g % len(order)]:
+            sync()
+            t0 = time.perf_counter()
+            res = engines[m].generate(group, new, seed=1000 + g)
+            sync()
+            s = stats[m]
+            s["seconds"] += time.perf_counter() - t0
+            for r in res.rows:
+                s["tokens"] += len(r.tokens)
+                s["steps"] += r.steps
+                s["accepted"] += r.n_accepted
+                s["proposed"] += r.n_proposed
+                s["outs"].append(r.tokens)
+    base = stats["ar_ref"]["tokens"] / stats["ar_ref"]["seconds"]
+    for m, s in stats.items():
+        tps = s["tokens"] / s["seconds"]
+        emit(out, cell=name, method=m, batch=batch, temperature=temperature, n_prompts=len(prompts),
+             new=new, tps=round(tps, 1), vs_ar_ref=round(tps / base, 3),
+             alpha=round(s["accepted"] / s["proposed"], 3) if s["proposed"] else None,
+             tau=round(s["tokens"] / max(s["steps"], 1), 3),
+             greedy_equal=(s["outs"] == stats["ar_ref"]["outs"]) if temperature == 0 else None,
+             cold_s=t_cold[m])
+
+
+@torch.inference_mode()
+def scale(out, gamma: int = 4) -> None:
+    """Resident step costs of an 8B-shaped target with a 1B-shaped drafter (random bf16)."""
+    target = fuse_model(random_model(dummy_config("llama-3.1-8b"), torch.bfloat16, "cuda", 0).eval())
+    small = fuse_model(random_model(dummy_config("llama-3.2-1b"), torch.bfloat16, "cuda", 1).eval())
+    drafter = ModelDrafter(small, None, name="llama1b")
+    for batch in (1, 8):
+        prompts = [list(range(100 + b, 100 + b + 512)) for b in range(batch)]
+        times = {}
+        for g in (0, gamma):
+            arm = Arm(drafter, g) if g else Arm(None, 0)
+            e = SpecEngine(target, [arm], backend=get_backend("triton"), graphs=True, resident=True)
+            e.generate(prompts, 8)            # capture + prefill; the loop stays loaded
+            loop = e.resident_loop
+            loop.state.budgets.fill_(1 << 20)
+            loop.state.finished.zero_()
+            key = (drafter, g) if g else (None, 0)
+            for _ in range(3):
+                loop.launch(key, 1)
+            sync()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loop.launch(key, 50)
+            end.record()
+            sync()
+            times[g] = start.elapsed_time(end) / 50
+            emit(out, check="scale_step", batch=batch, gamma=g, step_ms=round(times[g], 3))
+            del e
+            torch.cuda.empty_cache()
+        for a in (0.6, 0.7, 0.8):
+            emit(out, check="scale_predicted", batch=batch, gamma=gamma, alpha=a,
+                 speedup=round(expected_tau(a, gamma) * times[0] / times[gamma], 3))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf")
+    ap.add_argument("--eagle", default="checkpoints/smollm2_eagle_lr72.safetensors")
+    ap.add_argument("--cells", nargs="*", default=list(CELLS))
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--scale", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code path")
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args()
+    out = open(a.out, "a") if a.out else None
+    emit(out, check="device", torch=torch.__version__,
+         name=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    if a.scale:
+        scale(out)
+        return 0
+    model, tok = load_model(a.gguf, dtype=a.dtype, device=a.device)
+    model = fuse_model(model.eval(), a.device == "cuda")
+    if a.profile:
+        with torch.inference_mode():
+            profile(model, tok, a.eagle, out)
+        return 0
+    for cell in a.cells:
+        t0 = time.perf_counter()
+        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device)
+        emit(out, cell=cell, wall_s=round(time.perf_counter() - t0, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

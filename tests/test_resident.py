@@ -1,0 +1,169 @@
+"""The resident loop's device-state logic (commit, EOS, budgets, ragged acceptance, seeds) against
+the reference loop, on SmolLM2 cut to four layers (real weights, fp32, CPU: every step eager).
+
+The distribution gate of the resident path is in test_exactness_engine.py (``*_resident``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from flashspec.bandits import UCB1
+from flashspec.bandits.contextual import PerDomain
+from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
+from flashspec.drafters.ngram import device_lookup, lookup
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.models import load_model
+from flashspec.planner import WidthPlanner
+from flashspec.verify import SamplingParams
+from test_engine import small_model_dir
+from test_exactness_engine import EAGLE
+
+TEXTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+         "List the colours of the rainbow, then list them again in reverse order.",
+         "Count from one to twenty in words, separated by commas: one, two, three,"]
+NEW = 24
+pytestmark = pytest.mark.slow
+
+
+@st.composite
+def buffers(draw):
+    rows = draw(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=24), min_size=1, max_size=4))
+    return rows, draw(st.integers(1, 6)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(buffers())
+def test_device_lookup_equals_host_lookup(case):
+    rows, gamma, a, b = case
+    max_n, min_n = max(a, b), min(a, b)
+    tokens = torch.zeros(len(rows), 33, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = torch.tensor(r)
+    drafts, real = device_lookup(tokens, torch.tensor([len(r) for r in rows]), gamma, max_n, min_n)
+    for i, r in enumerate(rows):
+        want = lookup(r, gamma, max_n, min_n)
+        assert real[i].item() == len(want) and drafts[i, :len(want)].tolist() == want
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("four"), n_layers=4)))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"] for t in TEXTS]
+    return model, prompts
+
+
+@pytest.fixture(scope="module")
+def drafters(small):
+    model, _ = small
+    return {"ngram": NgramDrafter(), "skip": ModelDrafter(model, [0, 1], name="skip2"),
+            "eagle": EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE))}
+
+
+@pytest.fixture(scope="module")
+def eos(small):
+    """An end token that greedy row 0 first reaches mid-stream (at its 7th token or later), so
+    EOS clipping inside an accepted run is exercised."""
+    model, prompts = small
+    row = SpecEngine(model, [Arm(None, 0)]).generate(prompts[:1], NEW).rows[0].tokens
+    return [next(t for i, t in enumerate(row) if i >= 6 and t not in row[:i])]
+
+
+def run(model, prompts, arms, eos, **kw):
+    return SpecEngine(model, arms, eos_ids=eos, **kw).generate(prompts, NEW, seed=11).rows
+
+
+@pytest.mark.parametrize("name,gamma", [("ngram", 4), ("skip", 3), ("eagle", 3), ("eagle", 1)])
+def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
+    """Same tokens (EOS inside accepted runs, ragged prompts, budget clipping) and, for model
+    drafters, the same steps, accepted counts and acceptance histograms, at B = 1 and 3."""
+    model, prompts = small
+    arms = [Arm(drafters[name], gamma)]
+    ref = run(model, prompts, arms, eos)
+    ar = run(model, prompts, [Arm(None, 0)], eos)
+    assert [r.tokens for r in ref] == [r.tokens for r in ar]
+    assert 7 <= len(ar[0].tokens) < NEW and ar[0].tokens[-1] == eos[0]
+    for chunk in (1, 5):
+        batch = run(model, prompts, arms, eos, resident=True, chunk=chunk)
+        single = [run(model, [p], arms, eos, resident=True, chunk=chunk)[0] for p in prompts]
+        for got in (batch, single):
+            assert [r.tokens for r in got] == [r.tokens for r in ref]
+            if name != "ngram":   # n-gram: the resident loop counts real drafts per row
+                assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+                       [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+            assert [len(r.arms) for r in got] == [r.steps for r in got]
+
+
+def test_resident_budget_and_max_new_tokens_one(small, drafters):
+    model, prompts = small
+    for new in (1, 2, 7):
+        rows = SpecEngine(model, [Arm(drafters["ngram"], 6)], resident=True).generate(prompts, new).rows
+        assert [len(r.tokens) for r in rows] == [new] * len(prompts)
+
+
+def test_resident_sampling_uses_the_reference_seeds(small, eos):
+    """At T = 1 target-only decoding draws from the same counter-based seeds in both loops,
+    so the tokens agree exactly; and the chunk size never changes a sampled run."""
+    model, prompts = small
+    params = SamplingParams(temperature=1.0)
+    ref = run(model, prompts, [Arm(None, 0)], eos, params=params)
+    got = run(model, prompts, [Arm(None, 0)], eos, params=params, resident=True, chunk=3)
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+
+
+@pytest.mark.parametrize("name", ["skip", "eagle", "ngram"])
+def test_resident_sampled_run_does_not_depend_on_chunking(small, drafters, eos, name):
+    model, prompts = small
+    params = SamplingParams(temperature=1.0, top_k=20)
+    arms = [Arm(drafters[name], 3)]
+    a = run(model, prompts, arms, eos, params=params, resident=True, chunk=1)
+    b = run(model, prompts, arms, eos, params=params, resident=True, chunk=6)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.n_accepted for r in a] == [r.n_accepted for r in b]
+
+
+def test_resident_bandit_and_planner_keep_greedy_output(small, drafters, eos):
+    model, prompts = small
+    ar = [r.tokens for r in run(model, prompts, [Arm(None, 0)], eos)]
+    arms = [Arm(drafters["ngram"], 4), Arm(drafters["skip"], 2), Arm(drafters["eagle"], 3)]
+    policy = UCB1(len(arms), seed=0)
+    got = run(model, prompts, arms, eos, policy=policy, resident=True, chunk=2)
+    assert [r.tokens for r in got] == ar
+    assert min(policy.counts) > 0, "every arm must have been tried"
+    planner = WidthPlanner(explore=1)
+    got = run(model, prompts, [Arm(drafters["eagle"], 4)], eos, planner=planner, resident=True,
+              chunk=2)
+    assert [r.tokens for r in got] == ar
+    assert set(planner.seen) >= {0, 2, 4}, "the planner probes widths 0, γ/2 and γ"
+
+
+def test_resident_refuses_what_it_cannot_run(small, drafters):
+    model, _ = small
+
+    class HostOnly(Drafter):
+        def propose(self, state, gamma, params, generator):
+            raise AssertionError
+
+    with pytest.raises(FlashSpecError, match="cannot draft in the resident loop"):
+        SpecEngine(model, [Arm(HostOnly(), 2)], resident=True)
+    arms = [Arm(drafters["ngram"], 2), Arm(drafters["skip"], 2)]
+    with pytest.raises(FlashSpecError, match="step and domain only"):
+        SpecEngine(model, arms, policy=PerDomain(2, seed=0, key="ngram_hit"), resident=True)
+    with pytest.raises(FlashSpecError, match="chunk"):
+        SpecEngine(model, arms[:1], resident=True, chunk=0)
+
+
+def test_resident_flags_nan_logits(small, drafters):
+    """A NaN in the target's logits stops the run with an error instead of emitting tokens."""
+    model, prompts = small
+    engine = SpecEngine(model, [Arm(drafters["ngram"], 2)], resident=True)
+    saved = model.lm_head.weight.data[0, 0].item()
+    model.lm_head.weight.data[0, 0] = float("nan")
+    try:
+        with pytest.raises(FloatingPointError):
+            engine.generate(prompts[:1], 4)
+    finally:
+        model.lm_head.weight.data[0, 0] = saved
