@@ -121,7 +121,8 @@ def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
     """SpecEngine keyword arguments shared by every method of a run."""
     hw = hardware(cfg)
     return dict(params=params, backend=get_backend(hw.verify_backend, hw.kernels),
-                seed=int(cfg.seed), eos_ids=eos, graphs=hw.cuda_graphs, compile=hw.compile_step)
+                seed=int(cfg.seed), eos_ids=eos, graphs=hw.cuda_graphs, compile=hw.compile_step,
+                resident=hw.resident_loop, chunk=hw.resident_chunk)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -95,7 +95,7 @@ class SpecEngine:
                  params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
                  compile: bool = False, planner: WidthPlanner | None = None,
-                 resident: bool = False, chunk: int = 8) -> None:
+                 resident: bool = False, chunk: int = 2) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         for arm in arms:
@@ -360,6 +360,7 @@ class SpecEngine:
         if self.planner is not None:
             self.planner.reset(batch)
         step_s: list[float] = []
+        widest = [-1] * batch            # the largest γ' each row was live in (its histogram's)
         last = {k: [0] * batch for k in COUNTERS}
         last["budgets"] = [max_new_tokens] * batch
         t_decode = time.perf_counter()
@@ -396,7 +397,8 @@ class SpecEngine:
                 self.policy.update(arm_id, r, seconds / snap.n_steps, context)
             else:
                 r = None
-            for row, n in zip(rows, delta["steps"]):
+            for b, (row, n) in enumerate(zip(rows, delta["steps"])):
+                widest[b] = max(widest[b], k) if n else widest[b]
                 row.arms.extend([arm_id] * n)
                 if r is not None:
                     row.rewards.extend([r] * n)
@@ -411,8 +413,7 @@ class SpecEngine:
             row.tokens = tokens[b][row.n_prompt_tokens:]
             row.steps, row.n_proposed = last["steps"][b], last["proposed"][b]
             row.n_accepted = last["accepted"][b]
-            used = [i for i, c in enumerate(hist[b]) if c]
-            row.accept_hist = hist[b][:max(used) + 1] if used else []
+            row.accept_hist = hist[b][:widest[b] + 1]
         t1 = time.perf_counter()
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
                            capture_s=self.capture_s - capture0)

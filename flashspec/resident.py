@@ -100,6 +100,7 @@ class Snapshot:
     n_steps: int
     start: torch.cuda.Event | float | None
     end: torch.cuda.Event | float | None
+    launched: int = 0        # steps launched up to and including this chunk
 
     def wait(self) -> dict[str, list[int]]:
         if isinstance(self.end, torch.cuda.Event):
@@ -256,29 +257,45 @@ class ResidentLoop:
         return self.state.hist.tolist()
 
 
+def steps_left(counters: dict[str, list[int]]) -> int:
+    """A guess of the steps the batch still needs: the largest live budget over the tokens per
+    step seen so far (rows may end sooner, at EOS)."""
+    live = [b for b, f in zip(counters["budgets"], counters["finished"]) if not f]
+    if not live:
+        return 0
+    steps = sum(counters["steps"])
+    per_step = (sum(counters["accepted"]) + steps) / steps if steps else 1.0
+    return -(-max(live) // max(per_step, 1.0))
+
+
 def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) -> None:
-    """Launch chunks of ``chunk`` steps until every row finished (or ``max_steps`` ran).
+    """Launch chunks of up to ``chunk`` steps until every row finished (or ``max_steps`` ran).
 
     ``choose()`` gives (the arm of the next chunk, a tag kept in its snapshot);
-    ``observe(snapshot, counters)`` hears each
-    chunk's counters. The host waits on a chunk only after queueing the next one, so decisions
-    take effect one chunk late and the device never waits for the host.
+    ``observe(snapshot, counters)`` hears each chunk's counters. The host waits on a chunk only
+    after queueing the next one, so decisions take effect one chunk late and the device never
+    waits for the host. Near the end chunks shrink to the steps the budgets still need, so few
+    steps run past the last row's end (they commit nothing, but cost time).
     """
     pending: deque[Snapshot] = deque()
-    launched = 0
+    launched, known = 0, None      # known: the counters of the last chunk the host has read
+    read_at = 0                    # steps launched when that chunk was
     arm, tag = choose()
     while launched < max_steps:
         n = min(chunk, max_steps - launched)
+        if known is not None:
+            n = max(1, min(n, steps_left(known) - (launched - read_at)))
         start = loop.mark()
         loop.launch(arm, n)
         launched += n
         pending.append(loop.snapshot(tag, n, start))
+        pending[-1].launched = launched
         if loop.capture and len(pending) < 2 and launched < max_steps:
             continue          # keep one chunk queued ahead of the one the host waits on
         snap = pending.popleft()
-        counters = snap.wait()
-        observe(snap, counters)
-        if all(counters["finished"]):
+        known, read_at = snap.wait(), snap.launched
+        observe(snap, known)
+        if all(known["finished"]):
             break
         arm, tag = choose()
     while pending:

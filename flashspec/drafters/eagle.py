@@ -52,11 +52,14 @@ class EagleDrafter(GraphedDrafting, Drafter):
     """Drafts γ tokens per row from the target's features with an :class:`EagleModule`."""
 
     def __init__(self, target: LlamaLM, module: EagleModule, head: nn.Module | None = None,
-                 name: str = "eagle") -> None:
+                 name: str = "eagle", draft_temperature: float = 1.0) -> None:
         if module.shape.hidden_size != target.shape.hidden_size:
             raise FlashSpecError(f"eagle drafter has d={module.shape.hidden_size}, the target "
                                  f"d={target.shape.hidden_size}; train one for this target")
+        if not 0 < draft_temperature < float("inf"):
+            raise FlashSpecError(f"draft_temperature must be a positive number, got {draft_temperature}")
         self.target, self.module, self.name = target, module, name
+        self.draft_temperature = float(draft_temperature)
         self.head = head if head is not None else target.lm_head
         self.cache: KVCache | None = None
         self.feats: torch.Tensor | None = None   # [B, capacity + 2, d]: f_{p} at column p + 1
@@ -131,6 +134,8 @@ class EagleDrafter(GraphedDrafting, Drafter):
         drafts, draft_logits = [], []
         for i in range(gamma):
             logits = self.head(h)
+            if self.draft_temperature != 1.0:   # q is what was sampled from: still exact
+                logits = logits / self.draft_temperature
             tok = sample(logits, params, generator, seed, i)[0]
             drafts.append(tok)
             draft_logits.append(logits)
@@ -169,14 +174,17 @@ class EagleDrafter(GraphedDrafting, Drafter):
               head: HeadChoice = FullHeadChoice(), head_dtype: str | None = None,
               heads: Mapping[int | str, str] | None = None,
               head_cache: str | None = ".cache/heads",
-              head_training: Mapping[str, Any] | None = None) -> "EagleDrafter":
+              head_training: Mapping[str, Any] | None = None,
+              draft_temperature: float = 1.0) -> "EagleDrafter":
         """From a checkpoint of ``experiment=train_drafter``. ``head=lowrank`` at rank r takes
         the drafter's trained head of that rank: the one stored in the checkpoint, else the
         file ``heads[r]`` (rank as int or 'd/N'), else one trained now on the target's
         distribution and cached under ``head_cache`` (``head_training``: data and steps, see
         :class:`flashspec.heads.train.HeadTrainSpec`; ``head_cache: null`` never trains).
         ``head=full`` is the target's own head, kept in ``head_dtype`` when given (a bf16 copy
-        halves the bytes per call on a CPU)."""
+        halves the bytes per call on a CPU). ``draft_temperature`` divides the drafter's logits
+        before sampling (on top of the run's temperature; the verify step is given the divided
+        logits, so decoding stays exact): a calibration knob for sampled decoding."""
         from flashspec.heads.train import HeadTrainSpec, trained_heads
         target = ctx.target
         spec = HeadTrainSpec.from_options(head_training)
@@ -188,4 +196,4 @@ class EagleDrafter(GraphedDrafting, Drafter):
             chosen = CastHead(target.lm_head_weight, resolve_dtype(head_dtype))
         if target.fused:
             module.fuse()
-        return cls(target, module, chosen, name=name)
+        return cls(target, module, chosen, name=name, draft_temperature=draft_temperature)
