@@ -6,15 +6,18 @@ Prints and logs a summary table (α, τ, TPS, speedup per dataset and method).
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments.harness import (RunDir, build, build_arms, build_drafters, draft_context,
@@ -27,6 +30,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.analysis.head_timing import head_latency
 from flashspec.bandits import FixedArm
 from flashspec.heads import FullHeadChoice, LowRankChoice, resolve_rank
+from flashspec.paths import file_sha256
 from flashspec.metrics import (bandit_vs_fixed, decode_stats, format_bandit_vs_fixed, format_table,
                                mean_step_reward, method_records, percentile, pick_counts,
                                pseudo_regret, rates, summarize)
@@ -47,9 +51,11 @@ class Method:
 
     name: str
     run: Callable[[list[list[int]], int, str | None, int | None], list[dict[str, Any]]]
+    key: dict[str, Any] | None = None   # what decides its records besides the run-wide part
+                                        # (run_key); None: a policy's method, never reused
 
 
-def engine_method(name: str, engine: SpecEngine) -> Method:
+def engine_method(name: str, engine: SpecEngine, key: dict[str, Any] | None = None) -> Method:
     def run(prompts: list[list[int]], max_new: int, domain: str | None,
             seed: int | None = None) -> list[dict[str, Any]]:
         res = engine.generate(prompts, max_new, domain=domain, seed=seed)
@@ -59,7 +65,7 @@ def engine_method(name: str, engine: SpecEngine) -> Method:
                  "step_p50_s": percentile(res.step_s, 50), "step_p99_s": percentile(res.step_s, 99),
                  "capture_s": res.capture_s}
                 for r in res.rows]
-    return Method(name, run)
+    return Method(name, run, key)
 
 
 def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], lookup: int | None,
@@ -92,7 +98,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
                         "n_proposed": 0, "n_accepted": 0, "accept_hist": [], "arms": [],
                         "rewards": []})
         return out
-    return Method(name, run)
+    return Method(name, run, {"kind": name, "lookup": lookup, "generate": extra or {}})
 
 
 def spec_name(arms: list[Arm], policy: Policy) -> str:
@@ -160,7 +166,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                     for b in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]]
     for m in wanted:
         if m == "ar":
-            plan.methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw)))
+            plan.methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw),
+                                              {"kind": "ar"}))
         elif m == "spec":
             for k, policy in enumerate(policies):
                 planner = make_planner(cfg)
@@ -176,7 +183,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                 if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
                     continue
                 fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
-                plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw)))
+                plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw),
+                                                  arm_key(cfg, a.drafter.name, a.gamma, fixed.reward_kind)))
         elif m == "full_head":
             _full_head_reference(cfg, plan, ctx, drafters, arms, kw)
         else:
@@ -199,7 +207,9 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
         full = build(entries[arm.drafter.name], _partial_=True)(
             ctx=ctx, name=arm.drafter.name, head=FullHeadChoice())
         name = f"ref_full_head:{arm.name}"
-        plan.methods.append(engine_method(name, SpecEngine(ctx.target, [Arm(full, arm.gamma)], **kw)))
+        engine = SpecEngine(ctx.target, [Arm(full, arm.gamma)], **kw)
+        plan.methods.append(engine_method(name, engine, arm_key(
+            cfg, arm.drafter.name, arm.gamma, engine.policy.reward_kind, full_head=True)))
         plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.name}", arm.gamma
         plan.heads = (arm.drafter.head, full.head)
         choice = build(cfg.head)
@@ -209,7 +219,9 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
                      "params": module_size(arm.drafter.head), "full_params": module_size(full.head)}
         plan.arms.setdefault(i, plan.variant)
         if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
-            plan.methods.append(engine_method(plan.variant, SpecEngine(ctx.target, [arm], **kw)))
+            engine = SpecEngine(ctx.target, [arm], **kw)
+            plan.methods.append(engine_method(plan.variant, engine, arm_key(
+                cfg, arm.drafter.name, arm.gamma, engine.policy.reward_kind)))
         return
 
 
@@ -246,6 +258,125 @@ def _hf_model(cfg: DictConfig, target):
     return _HF_CACHE[key]
 
 
+# ----------------------------------------------------------------------------- reuse in a sweep
+# The records of a method that no swept setting touches (target-only AR, HF baselines, each arm
+# alone, the full-head reference: none of them depends on the bandit, and AR, HF and the full
+# head not on the head choice either) are the same in every job of a sweep; a later job of the
+# same multirun, run by the same process (Hydra's basic launcher), copies them from the job that
+# decoded them instead of decoding them again. Keyed by content: the sweep folder, the run-wide
+# settings (target, hardware, dataset and the prompts' text, max new tokens, seed, sampling,
+# batching, warm-up), the method's own (arm: its drafter entry resolved, checkpoint files by
+# content, γ, reward kind) and the code (every flashspec/ and experiments/ source file, torch
+# and transformers versions). Copied records keep their timings and say where they come from
+# (``reused_from``); ``experiment.reuse=false`` decodes everything in every job.
+_REUSE: dict[str, dict[str, Any]] = {}
+RUN_KEY_SKIP = {"drafters", "head", "bandit", "planner", "logger", "resume", "output_dir", "hydra"}
+EXPERIMENT_KEY_SKIP = {"methods", "references", "extra_bandits", "timing_iters", "records", "reuse"}
+
+
+def reuse_scope(cfg: DictConfig) -> str | None:
+    """The multirun this job belongs to (its sweep folder), or None (a single run, or
+    ``experiment.reuse=false``): records are reused only among jobs of one multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    if not cfg.experiment.get("reuse", True) or not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    return str(Path(hc.sweep.dir).resolve()) if hc.mode == RunMode.MULTIRUN else None
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """sha256 of every flashspec/ and experiments/ source file and the torch and transformers
+    versions (taken once per process: the code a process runs does not change under it)."""
+    import transformers
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for path in sorted([*(root / "flashspec").rglob("*.py"), *(root / "experiments").glob("*.py")]):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _with_file_hashes(value: Any) -> Any:
+    """A resolved config value with every string that names a file replaced by that file's
+    path and content hash (a retrained checkpoint at the same path is another drafter)."""
+    if isinstance(value, dict):
+        return {k: _with_file_hashes(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_with_file_hashes(v) for v in value]
+    if isinstance(value, str) and value and Path(value).is_file():
+        return {"file": value, "sha256": file_sha256(value)}
+    return value
+
+
+def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: bool = False) -> dict:
+    """What decides the records of one arm played alone: its drafter entry (resolved: the
+    run's head choice when it takes it; with ``full_head`` the entry without it, since the full
+    head replaces it), γ and the reward kind the records carry."""
+    entry = OmegaConf.to_container(cfg.drafters.drafters[drafter], resolve=True)
+    if full_head:
+        entry = {**{k: v for k, v in entry.items() if k != "head"}, "head": "full"}
+    return {"kind": "arm", "drafter": drafter, "entry": _with_file_hashes(entry),
+            "gamma": int(gamma), "reward": reward}
+
+
+def run_key(cfg: DictConfig, prompts: list[Prompt], max_new: int) -> dict[str, Any]:
+    """What decides every method's records: the whole resolved config except what only the
+    policy's methods read or what does not touch records (``RUN_KEY_SKIP``,
+    ``EXPERIMENT_KEY_SKIP``; a method's drafter entry goes into its own key), the prompts' text
+    and the number of new tokens."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    out = {k: v for k, v in c.items() if k not in RUN_KEY_SKIP and k != "experiment"}
+    out["experiment"] = {k: v for k, v in c["experiment"].items() if k not in EXPERIMENT_KEY_SKIP}
+    out["prompts"] = [dataclasses.asdict(p) for p in prompts]
+    out["max_new_tokens"] = int(max_new)
+    return out
+
+
+def reuse_key(scope: str, run: dict[str, Any], method: Method) -> str | None:
+    if method.key is None:
+        return None
+    blob = json.dumps({"scope": scope, "run": run, "method": method.name, "key": method.key,
+                       "code": code_version()}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _reuse_records(run: RunDir, keys: dict[str, str], done: set, roles: dict[str, str]) -> dict[str, str]:
+    """Writes the stored records of every method of this job that an earlier job of the sweep
+    decoded (a method this directory already holds records of is left to resume); returns
+    method -> the run directory its records come from."""
+    reused: dict[str, str] = {}
+    for name, key in keys.items():
+        stored = _REUSE.get(key)
+        if stored is None or any(k[0] == name for k in done):
+            continue
+        reused[name] = stored["origin"]
+    if not reused:
+        return reused
+    run.provenance["reused_from"] = reused
+    for name, origin in reused.items():
+        for rec in _REUSE[keys[name]]["records"]:
+            rec = {**{k: v for k, v in rec.items() if k != "provenance"}, "reused_from": origin}
+            run.write(rec)
+            run.logger.log({f"prompt/{roles.get(name, name)}/{k}": rec[k]
+                            for k in ("tps", "alpha", "tau") if rec[k] is not None})
+    log.info("reused the records of %d method(s) from earlier jobs of this sweep (same target, "
+             "prompts, seed, sampling, drafter and code; experiment.reuse=false decodes them "
+             "again): %s", len(reused), ", ".join(f"{n} <- {Path(o).name}" for n, o in reused.items()))
+    return reused
+
+
+def _remember(records: list[dict], keys: dict[str, str], prompts: list[Prompt], origin: str) -> None:
+    """Stores the records of every reusable method that has one per (prompt, turn)."""
+    want = {(p.id, t) for p in prompts for t in range(len(p.turns))}
+    for name, key in keys.items():
+        recs = [r for r in records if r["method"] == name]
+        if key not in _REUSE and {(r["prompt_id"], r["turn"]) for r in recs} == want \
+                and len(recs) == len(want):
+            _REUSE[key] = {"origin": recs[0].get("reused_from", origin),
+                           "records": json.loads(json.dumps(recs))}
+
+
 def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
     return chat_ids(tokenizer, prompt.turns[:len(answers) + 1], answers)
 
@@ -269,27 +400,35 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     resolved = {"arms": plan.arm_names, "gammas": sorted({int(n.rsplit("@", 1)[1]) for n in
                                                          plan.arm_names if "@" in n}),
                 "head": plan.head, "methods": [m.name for m in methods]}
+    scope = reuse_scope(cfg)
+    keys: dict[str, str] = {}
+    if scope is not None:
+        common = run_key(cfg, prompts, max_new)
+        keys = {m.name: k for m in methods if (k := reuse_key(scope, common, m)) is not None}
     with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
+        reused = _reuse_records(run, keys, done, roles)
+        todo = [m for m in methods if m.name not in reused]
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
-        if exp.warmup:  # untimed, on the first batch's prompts; its wall time is the cold start
+        if exp.warmup and todo:  # untimed, on the first batch's prompts; its wall time is the cold start
             warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
             cold: dict[str, float] = {}
-            for m in methods:
+            for m in todo:
                 t0 = time.perf_counter()
                 m.run(warm, 4, None)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
         log.info("decoding %d prompts of %s with %d methods: %s", len(prompts), dataset.name,
-                 len(methods), ", ".join(m.name for m in methods))
-        with tqdm(total=len(batches) * len(methods), desc="decode", unit="batch") as bar:
+                 len(todo), ", ".join(m.name for m in todo))
+        with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch") as bar:
             for bi, batch in enumerate(batches):
-                for m in _order(methods, bi, bool(exp.get("rotate_methods", True))):
+                for m in (_order(todo, bi, bool(exp.get("rotate_methods", True))) if todo else []):
                     _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done,
                                   roles.get(m.name, m.name))
                     bar.update()
         from flashspec.records import read_records
         records = list(read_records(run.writer.path))
+        _remember(records, keys, prompts, str(run.path))
         rows = summarize(records)
         log.info("records: %s\n%s", run.writer.path, format_table(rows))
         cmp = bandit_vs_fixed(records)

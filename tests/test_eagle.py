@@ -207,6 +207,8 @@ def test_committed_checkpoint_provenance():
 
 
 def test_train_drafter_smoke(tmp_path):
+    """experiment=train_drafter at smoke size (tests/test_app.py's glob(*) smoke test leaves this
+    config to this test): a checkpoint, its provenance and records that carry theirs."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "run.py", "experiment=train_drafter", "smoke=true",
                            "logger=disabled", f"output_dir={out}"], cwd=ROOT,
@@ -218,6 +220,7 @@ def test_train_drafter_smoke(tmp_path):
     for name, ids in meta["provenance"]["data"]["train_prompt_ids"].items():
         assert not set(ids) & set(split_ids(name, "eval")), name
     records = [json.loads(line) for line in (out / "train_records.jsonl").read_text().splitlines()]
+    assert records and all("provenance" in r for r in records)
     assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
     assert any("eval/tau_mean" in r and r["eval/tau_mean"] >= 1.0 for r in records)
     assert (out / "eagle_last.safetensors").is_file()
