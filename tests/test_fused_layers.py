@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.drafters.eagle import EagleDrafter
-from flashspec.drafters.eagle_module import EagleModule
+from flashspec.drafters.eagle_module import EagleConfig, EagleModule
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models import fused
 from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_rope
@@ -237,9 +237,12 @@ def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
     assert any(len(t) == 10 for t, _ in got)
 
 
-def test_eagle_drafter_fused_equals_reference():
+@pytest.mark.parametrize("norms", [False, True])
+def test_eagle_drafter_fused_equals_reference(norms):
+    """``norms``: the input and output RMSNorms (EAGLE-3 style, as the trained drafter has),
+    which the fused path runs as single add+RMSNorm kernels."""
     model = fused.fuse_model(tiny_model())
-    module = EagleModule(model.shape)
+    module = EagleModule(model.shape, EagleConfig(in_norm=norms, out_norm=norms))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
     ref = generate(model, False, Arm(drafter, 2), False, (20, 18))

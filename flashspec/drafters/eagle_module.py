@@ -76,14 +76,19 @@ class EagleModule(nn.Module):
         ``rotary`` (the target's inv_freq, rope_scale) runs the blocks through the fused decode
         layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused)."""
         features = features.to(embeds.dtype)
+        if rotary is not None and cache is not None:   # fused: one kernel per norm (and add)
+            from flashspec.models.fused import add_rmsnorm, run_blocks
+            if self.feat_norm is not None:
+                features = add_rmsnorm(features, None, self.feat_norm.weight, self.feat_norm.eps)[1]
+                embeds = add_rmsnorm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)[1]
+            x = self.fc(torch.cat([features, embeds], dim=-1))
+            x, delta = run_blocks(self.layers, x, positions, cache, *rotary)
+            if self.norm is not None:
+                return add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)[1]
+            return x if delta is None else x + delta
         if self.feat_norm is not None:
             features, embeds = self.feat_norm(features), self.embed_norm(embeds)
         x = self.fc(torch.cat([features, embeds], dim=-1))
-        if rotary is not None and cache is not None:
-            from flashspec.models.fused import run_blocks
-            x, delta = run_blocks(self.layers, x, positions, cache, *rotary)
-            x = x if delta is None else x + delta
-            return self.norm(x) if self.norm is not None else x
         span = positions.shape[1] if span is None else span
         for block in self.layers:
             x = block(x, rope, positions, cache, mask, span)
