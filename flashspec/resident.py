@@ -23,6 +23,7 @@ them. On a CPU the same step runs eagerly (the path the tests compare with the r
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from flashspec.verify import rng
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 
+log = logging.getLogger(__name__)
 DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream
 COUNTERS = ("steps", "proposed", "accepted", "full", "lengths", "budgets", "finished", "bad")
 
@@ -127,9 +129,10 @@ class ResidentLoop:
         dev = target.device
         self.capture = capture and dev.type == "cuda"
         if self.capture and not backend.fuses_in_graph(params):
-            raise FlashSpecError(f"the resident loop captures verification in a CUDA graph; the "
-                                 f"{backend.name!r} verify backend cannot run there with {params} "
-                                 "(use hardware.verify_backend=triton, without top-k/top-p)")
+            log.warning("the %r verify backend cannot run inside a CUDA graph with %s: the "
+                        "resident steps run uncaptured (use hardware.verify_backend=triton, "
+                        "without top-k/top-p, for graphs)", backend.name, params)
+            self.capture = False
         self.state = DeviceState.allocate(batch, cache.capacity, gamma_max, dev)
         self.rows = torch.arange(batch, device=dev)
         self.cols = torch.arange(gamma_max + 1, device=dev)
