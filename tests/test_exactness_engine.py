@@ -50,6 +50,18 @@ def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingPara
     return np.concatenate(out)
 
 
+_TARGET_ONLY: dict[tuple, np.ndarray] = {}
+
+
+def target_only_pairs(model, prompt: list[int], params: SamplingParams) -> np.ndarray:
+    """Target-only samples (the reference of the pair test), drawn once per (model, prompt,
+    sampling settings) and shared by the variants that use the same settings."""
+    key = (id(model), tuple(prompt), params)
+    if key not in _TARGET_ONLY:
+        _TARGET_ONLY[key] = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)
+    return _TARGET_ONLY[key]
+
+
 def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float:
     """χ² two-sample homogeneity p-value on (token0, token1) pairs, rare pairs pooled."""
     keys_a = a[:, 0].astype(np.int64) * 100_000 + a[:, 1]
@@ -93,7 +105,7 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     policy = UCB1(len(arms), seed=0) if base == "bandit" else None
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
                         graphs=mode == "static", resident=mode == "resident")
-    ar = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)
+    ar = target_only_pairs(model, prompt, params)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
     probs = exact_target_probs(logits, temperature, top_k)
