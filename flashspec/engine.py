@@ -407,7 +407,7 @@ class SpecEngine:
         if any(last["bad"]):
             raise FloatingPointError("verify rejected a row: NaN/inf logits or an out-of-range "
                                      "draft token; refusing to emit tokens")
-        tokens, hist = loop.tokens(state), loop.histogram()
+        tokens, hist = loop.tokens(), loop.histogram()
         self.calls = int(loop.state.calls)
         for b, row in enumerate(rows):
             row.tokens = tokens[b][row.n_prompt_tokens:]

@@ -95,7 +95,7 @@ class DeviceState:
 
 @dataclass
 class Snapshot:
-    """Counters after a chunk, copied to pinned host memory; ``ready`` says when they landed."""
+    """Counters after a chunk, copied to pinned host memory; ``wait`` blocks until they landed."""
 
     host: torch.Tensor
     arm: object            # the tag of the chunk's decision
@@ -243,14 +243,15 @@ class ResidentLoop:
             return ev
         return time.perf_counter()
 
-    def snapshot(self, arm: Hashable, n_steps: int, start: torch.cuda.Event | float) -> Snapshot:
-        """Counters after the launched steps, copied without stalling the device."""
+    def snapshot(self, tag: object, n_steps: int, start: torch.cuda.Event | float) -> Snapshot:
+        """Counters after the launched steps, copied without stalling the device; ``tag``
+        names the decision the chunk ran under."""
         host = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         host.copy_(self.state.counters(), non_blocking=self.capture)
-        return Snapshot(host, arm, n_steps, start, self.mark())
+        return Snapshot(host, tag, n_steps, start, self.mark())
 
-    def tokens(self, state: DecodeState) -> list[list[int]]:
+    def tokens(self) -> list[list[int]]:
         """Every row's committed tokens (prompt included), read once at the end."""
         lengths = self.state.lengths.tolist()
         rows = self.state.tokens[:, :max(lengths)].tolist()
