@@ -92,12 +92,13 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
                                                     ("eagle", 1.0, 0),
                                                     ("layerskip_static", 1.0, 0),
-                                                    ("eagle_resident", 1.0, 0),
                                                     ("bandit_resident", 0.7, 50)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
     """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
     by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
-    (device state, device n-gram lookup, device seeds), eagerly on the CPU."""
+    (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
+    bandit, top-k), eagerly on the CPU. The resident EAGLE step shares its drafting and q with
+    the reference loop's (``_draft``), gated as ``eagle``."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     base, _, mode = kind.partition("_")
