@@ -331,12 +331,9 @@ class SpecEngine:
                 self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
                                      n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
-            # a drafter that proposed nothing (prompt lookup without a match) earned nothing: the
-            # policy hears it, or an unplayed-first index policy would pick that arm forever
-            empty = arm.drafter is not None and not proposed and self.reward_kind != "tps"
-            if proposed or empty or self.reward_kind == "tps":
-                r = 0.0 if empty else reward(self.reward_kind, proposed, accepted,
-                                             step_s[-1], max(t_draft, 1e-9), n_rows=sum(active))
+            r = self._reward(arm.drafter is not None, proposed, accepted, step_s[-1], t_draft,
+                             sum(active))
+            if r is not None:
                 for row, live in zip(rows, active):
                     if live:
                         row.rewards.append(r)
@@ -381,7 +378,7 @@ class SpecEngine:
             n_live = max(delta["steps"])
             if n_live == 0:
                 return
-            arm_id, k, context = snap.arm
+            arm_id, k, context = snap.tag
             seconds = snap.seconds()
             step_s.extend([seconds / snap.n_steps] * n_live)
             if self.planner is not None and self.arms[arm_id].drafter is not None:
@@ -390,13 +387,9 @@ class SpecEngine:
                                             delta["accepted"] if k else [0] * batch,
                                             tries if k else [0] * batch)
             proposed, accepted = sum(delta["proposed"]), sum(delta["accepted"])
-            empty = k > 0 and proposed == 0 and self.reward_kind != "tps"
-            if proposed or empty or self.reward_kind == "tps":
-                r = 0.0 if empty else reward(self.reward_kind, proposed, accepted, seconds,
-                                             max(seconds, 1e-9), n_rows=sum(delta["steps"]))
+            r = self._reward(k > 0, proposed, accepted, seconds, seconds, sum(delta["steps"]))
+            if r is not None:
                 self.policy.update(arm_id, r, seconds / snap.n_steps, context)
-            else:
-                r = None
             for b, (row, n) in enumerate(zip(rows, delta["steps"])):
                 widest[b] = max(widest[b], k) if n else widest[b]
                 row.arms.extend([arm_id] * n)
@@ -417,6 +410,18 @@ class SpecEngine:
         t1 = time.perf_counter()
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
                            capture_s=self.capture_s - capture0)
+
+    def _reward(self, drafted: bool, proposed: int, accepted: int, wall_s: float,
+                draft_s: float, n_rows: int) -> float | None:
+        """The policy's reward for a step (or a resident chunk), None when it teaches nothing.
+
+        A drafter that proposed nothing (prompt lookup without a match) earned nothing: the
+        policy hears 0, or an unplayed-first index policy would pick that arm forever."""
+        empty = drafted and not proposed and self.reward_kind != "tps"
+        if not (proposed or empty or self.reward_kind == "tps"):
+            return None
+        return 0.0 if empty else reward(self.reward_kind, proposed, accepted, wall_s,
+                                        max(draft_s, 1e-9), n_rows=n_rows)
 
     def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
         """What the policy may condition on: step, domain, and drafter features it asks for."""

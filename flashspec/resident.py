@@ -98,7 +98,7 @@ class Snapshot:
     """Counters after a chunk, copied to pinned host memory; ``wait`` blocks until they landed."""
 
     host: torch.Tensor
-    arm: object            # the tag of the chunk's decision
+    tag: object            # the decision the chunk ran under
     n_steps: int
     start: torch.cuda.Event | float | None
     end: torch.cuda.Event | float | None
