@@ -30,7 +30,8 @@ from flashspec.errors import FlashSpecError
 from flashspec.analysis.head_timing import head_latency
 from flashspec.bandits import FixedArm
 from flashspec.heads import FullHeadChoice, LowRankChoice, resolve_rank
-from flashspec.paths import file_sha256
+from flashspec.paths import file_sha256, repo_path
+from flashspec.records import config_hash
 from flashspec.metrics import (bandit_vs_fixed, decode_stats, format_bandit_vs_fixed, format_table,
                                mean_step_reward, method_records, percentile, pick_counts,
                                pseudo_regret, rates, summarize)
@@ -304,8 +305,8 @@ def _with_file_hashes(value: Any) -> Any:
         return {k: _with_file_hashes(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_with_file_hashes(v) for v in value]
-    if isinstance(value, str) and value and Path(value).is_file():
-        return {"file": value, "sha256": file_sha256(value)}
+    if isinstance(value, str) and value and repo_path(value).is_file():   # as drafters resolve it
+        return {"file": value, "sha256": file_sha256(repo_path(value))}
     return value
 
 
@@ -336,9 +337,8 @@ def run_key(cfg: DictConfig, prompts: list[Prompt], max_new: int) -> dict[str, A
 def reuse_key(scope: str, run: dict[str, Any], method: Method) -> str | None:
     if method.key is None:
         return None
-    blob = json.dumps({"scope": scope, "run": run, "method": method.name, "key": method.key,
-                       "code": code_version()}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return config_hash({"scope": scope, "run": run, "method": method.name, "key": method.key,
+                        "code": code_version()}, ignore=())
 
 
 def _reuse_records(run: RunDir, keys: dict[str, str], done: set, roles: dict[str, str]) -> dict[str, str]:
