@@ -1,0 +1,135 @@
+"""Draft trees: their shapes, the drafted tree of a step, and the masks that verify it.
+
+A tree draft of row b is ``N + 1`` nodes: node 0 is the root (the row's last committed token,
+fed to the target as in a chain step) and nodes 1..N are drafted tokens; ``parents[b, i] < i``
+(topological order) and siblings come in the drafter's priority order. In the target's step the
+node i sits at RoPE position ``L - 1 + depth[i]`` and in cache slot ``L - 1 + i`` (L the row's
+committed length), attends the committed prefix and its own ancestors, and after verification
+the accepted path's K/V entries move to slots ``L .. L + n - 1`` (no recomputation).
+
+Two shapes (:class:`TreeShape`): a static one (``4x2x1``: every node at depth d gets the top
+``k_d`` draft tokens as children) and a dynamic one (``dyn15``: EAGLE-2's expansion, the top-k
+nodes of each depth by cumulative draft log-probability are expanded, then the N best nodes of
+everything drafted are kept).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from flashspec.errors import FlashSpecError
+
+MAX_NODES = 64
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """``branching`` (static: children per node at each depth) or ``nodes`` (dynamic: the node
+    budget, expanded ``top_k`` nodes at a time to ``depth`` levels)."""
+
+    branching: tuple[int, ...] = ()
+    nodes: int = 0
+    depth: int = 0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if bool(self.branching) == bool(self.nodes):
+            raise FlashSpecError("a tree shape is static (branching) or dynamic (nodes), not both")
+        if self.branching and min(self.branching) < 1:
+            raise FlashSpecError(f"tree branching must be >= 1 per depth, got {self.branching}")
+        if self.nodes and not (self.depth >= 1 and self.top_k >= 1 and self.nodes >= self.depth):
+            raise FlashSpecError(f"dynamic tree needs depth >= 1, top_k >= 1 and nodes >= depth; "
+                                 f"got nodes={self.nodes} depth={self.depth} top_k={self.top_k}")
+        if self.size > MAX_NODES:
+            raise FlashSpecError(f"tree of {self.size} nodes; at most {MAX_NODES}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "TreeShape":
+        """``"4x2x1"`` (static) or ``"dyn15"`` / ``"dyn15d6k4"`` (dynamic; depth 6, top-k 4 by
+        default: depth and top_k cap what the N nodes may reach)."""
+        text = str(spec).strip().lower()
+        if m := re.fullmatch(r"dyn(\d+)(?:d(\d+))?(?:k(\d+))?", text):
+            n = int(m.group(1))
+            return cls(nodes=n, depth=int(m.group(2) or min(6, n)), top_k=int(m.group(3) or 4))
+        if re.fullmatch(r"\d+(x\d+)*", text):
+            return cls(branching=tuple(int(k) for k in text.split("x")))
+        raise FlashSpecError(f"tree shape {spec!r}: write branching per depth ('4x2x1') or a "
+                             "dynamic node budget ('dyn15', 'dyn15d6k4')")
+
+    @property
+    def size(self) -> int:
+        """Drafted nodes N (the root not counted); the verify width is N + 1."""
+        if self.nodes:
+            return self.nodes
+        return sum(math.prod(self.branching[:d + 1]) for d in range(len(self.branching)))
+
+    @property
+    def max_depth(self) -> int:
+        """The longest path: most drafts one step can accept."""
+        return self.depth if self.nodes else len(self.branching)
+
+    @property
+    def label(self) -> str:
+        if self.nodes:
+            return f"dyn{self.nodes}d{self.depth}k{self.top_k}"
+        return "x".join(str(k) for k in self.branching)
+
+
+@dataclass
+class TreeDraft:
+    """The drafted trees of a batch: ``tokens``, ``parents``, ``depth`` [B, N + 1] (node 0 the
+    root: the last committed token, parent -1, depth 0)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def ancestors(self) -> torch.Tensor:
+        """[B, N + 1, N + 1] bool: ``[b, i, j]`` when node j is node i or one of its ancestors."""
+        batch, n = self.parents.shape
+        anc = torch.eye(n, dtype=torch.bool, device=self.parents.device).repeat(batch, 1, 1)
+        rows = torch.arange(batch, device=self.parents.device)
+        for i in range(1, n):     # parents come first: their rows are complete
+            anc[:, i] |= anc[rows, self.parents[:, i].clamp(min=0)]
+        return anc
+
+    def children(self) -> torch.Tensor:
+        """[B, N + 1, K] node ids of each node's children in priority order, -1 padded."""
+        batch, n = self.parents.shape
+        par = self.parents
+        same = par[:, :, None] == par[:, None, :]                          # [B, N+1, N+1]
+        earlier = torch.ones(n, n, dtype=torch.bool, device=par.device).tril(-1)
+        rank = (same & earlier).sum(-1)                                     # siblings before i
+        k = max(1, int(rank[:, 1:].max()) + 1) if n > 1 else 1
+        kids = torch.full((batch, n + 1, k), -1, dtype=torch.long, device=par.device)
+        ids = torch.arange(n, device=par.device).expand(batch, n)
+        parent = torch.where(par >= 0, par, torch.full_like(par, n))       # the root goes to a dump row
+        kids[torch.arange(batch, device=par.device)[:, None], parent, rank.clamp(max=k - 1)] = ids
+        return kids[:, :n]
+
+
+def tree_positions(draft: TreeDraft, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RoPE positions, cache slots) [B, N + 1] of the nodes for committed ``lengths`` [B]."""
+    base = (lengths - 1)[:, None]
+    slots = base + torch.arange(draft.tokens.shape[1], device=lengths.device)
+    return base + draft.depth, slots
+
+
+def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
+    """Attention mask [B, 1, N + 1, span]: node i sees the committed prefix (slots < L - 1) and
+    the slots of its ancestors and itself (slot L - 1 + j for node j)."""
+    slot = torch.arange(span, device=lengths.device)
+    base = (lengths - 1)[:, None]                                   # [B, 1]
+    prefix = slot[None] < base                                      # [B, span]
+    col = slot[None] - base                                         # node id of a tree slot
+    n = ancestors.shape[-1]
+    inside = (col >= 0) & (col < n)
+    tree = ancestors.gather(2, col.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, N+1, span]
+    return (prefix[:, None] | (inside[:, None] & tree))[:, None]

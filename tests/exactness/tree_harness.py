@@ -1,0 +1,84 @@
+"""Multi-step tree speculative sampling over context-free tables (the tree rule's gate).
+
+Each step every active row drafts a static tree: a node at depth d - 1 gets ``branching[d-1]``
+children drawn without replacement from the draft table at the row's position + d - 1 (Gumbel
+top-k with a generator the verifier never sees, so the children are a deterministic proposal
+from the verifier's point of view: different per node and per row). Node i's target logits
+are the table row at position + depth(i). Verify accepts a path and emits one more token.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from exactness.harness import SpecRun
+from flashspec.tree import TreeDraft
+from flashspec.verify import rng
+from flashspec.verify.sampling import SamplingParams
+
+
+def static_tree(branching: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(parents, depth) of the N + 1 nodes of a static tree, breadth first."""
+    parents, depth, frontier = [-1], [0], [0]
+    for d, k in enumerate(branching, start=1):
+        nxt = []
+        for node in frontier:
+            for _ in range(k):
+                parents.append(node)
+                depth.append(d)
+                nxt.append(len(parents) - 1)
+        frontier = nxt
+    return parents, depth
+
+
+def draw_children(draft: torch.Tensor, pos: torch.Tensor, parents: list[int], depth: list[int],
+                  gen: torch.Generator) -> torch.Tensor:
+    """Node tokens [R, N + 1]: siblings distinct, drawn ∝ the draft table without replacement."""
+    rows, width = pos.shape[0], len(parents)
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    logq = torch.log_softmax(draft.float(), -1)
+    for parent in sorted(set(parents[1:])):
+        kids = [i for i in range(width) if parents[i] == parent]
+        at = pos + depth[kids[0]] - 1                                      # [R]
+        gumbel = -torch.log(-torch.log(torch.rand(rows, draft.shape[-1], generator=gen)))
+        top = (logq[at] + gumbel).topk(len(kids), dim=-1).indices
+        tokens[:, kids] = top
+    return tokens
+
+
+def tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
+                            branching: tuple[int, ...], params: SamplingParams, n_rows: int,
+                            length: int, verify_fn, seed: int) -> SpecRun:
+    """Tokens [N, length] of ragged multi-step tree speculation with ``verify_fn``."""
+    parents, depth = static_tree(branching)
+    gen = torch.Generator().manual_seed(seed + 99)
+    lengths = torch.zeros(n_rows, dtype=torch.long)
+    run = SpecRun(tokens=np.full((n_rows, length), -1, dtype=np.int64))
+    par = torch.tensor(parents).expand(n_rows, -1)
+    dep = torch.tensor(depth).expand(n_rows, -1)
+    while (rows := (lengths < length).nonzero().squeeze(1)).numel():
+        pos = lengths[rows]
+        tree = TreeDraft(draw_children(draft, pos, parents, depth, gen), par[:len(rows)],
+                         dep[:len(rows)])
+        logits = target[pos[:, None] + dep[:len(rows)]]
+        out, n_acc, _ = verify_fn(logits, tree, params, rng.call_seed(seed, run.calls))
+        run.calls += 1
+        j = torch.arange(out.shape[1])[None]
+        at = pos[:, None] + j
+        keep = (j <= n_acc[:, None]) & (at < length)
+        r = rows[:, None].expand_as(at)[keep].numpy()
+        run.tokens[r, at[keep].numpy()] = out[keep].numpy()
+        lengths[rows] += n_acc + 1
+        run.proposed += len(branching) * len(rows)
+        run.accepted += int(n_acc.sum())
+    return run
+
+
+def tree_positions_needed(length: int, branching: tuple[int, ...]) -> int:
+    return length + len(branching) + 1
+
+
+def n_nodes(branching: tuple[int, ...]) -> int:
+    return sum(math.prod(branching[:d + 1]) for d in range(len(branching)))

@@ -1,0 +1,87 @@
+"""Statistical exactness gate for tree verification (recursive rejection over siblings).
+
+Same statistics as tests/test_exactness_gate.py (per-position two-sample KS vs plain target
+samples and χ² vs the exact warped probabilities, family-wise α = 0.01), over 10,000 rows of
+multi-step static-tree speculation on context-free tables (tests/exactness/tree_harness.py).
+Power: the same gate fails when the sibling residual update is planted wrong (a rejected
+sibling's token stays in the residual) and when the bonus token ignores the accepted node.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from exactness.stats import exact_target_probs, gate, sample_reference  # noqa: E402
+from exactness.tables import make_draft, make_target  # noqa: E402
+from exactness.tree_harness import tree_speculative_sample  # noqa: E402
+from flashspec.tree import TreeDraft  # noqa: E402
+from flashspec.verify import SamplingParams  # noqa: E402
+from flashspec.verify import tree as tree_verify  # noqa: E402
+
+N_ROWS, LENGTH, VOCAB = 10_000, 5, 256
+CASES = [  # (temperature, top_k, top_p, branching, draft overlap)
+    (1.0, 0, 1.0, (3, 2, 1), 0.9),
+    (0.7, 20, 1.0, (4, 2), 0.8),
+    (1.5, 0, 0.9, (2, 2, 2), 0.95),
+]
+
+
+def run_tree_gate(temperature, top_k, top_p, branching, overlap, verify_fn, seed=0):
+    target, z = make_target(VOCAB, LENGTH + len(branching) + 2, seed=seed)
+    draft = make_draft(z, overlap, seed=seed + 1)
+    params = SamplingParams(temperature, top_k, top_p)
+    run = tree_speculative_sample(target, draft, branching, params, N_ROWS, LENGTH, verify_fn, seed)
+    probs = exact_target_probs(target[:LENGTH], temperature, top_k, top_p)
+    return gate(run.tokens, sample_reference(probs, N_ROWS, seed + 12345), probs), run
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-p{c[2]}-{'x'.join(map(str, c[3]))}")
+def test_tree_gate_passes(case) -> None:
+    result, run = run_tree_gate(*case, tree_verify.verify_tree)
+    print(f"\n[tree gate] {case}: alpha={run.alpha:.3f} tau={1 + run.accepted / run.calls / N_ROWS:.2f} "
+          f"{result.summary()}")
+    assert 0 < run.alpha < 1
+    assert result.passed, result.summary()
+
+
+def test_tree_gate_fails_when_rejected_siblings_stay_in_the_residual(monkeypatch) -> None:
+    """Planted bug: the residual after a rejected sibling is not updated (its token keeps its
+    mass, so later siblings are tested against the wrong distribution and the correction token
+    can repeat a rejected one)."""
+    monkeypatch.setattr(tree_verify, "drop_rejected", lambda w, rows, tokens: None)
+    result, run = run_tree_gate(*CASES[0], tree_verify.verify_tree)
+    print(f"\n[tree gate] planted sibling-residual bug: {result.summary()}")
+    assert not result.passed, result.summary()
+
+
+def test_tree_gate_fails_when_the_bonus_ignores_the_path(monkeypatch) -> None:
+    """Planted bug: the correction/bonus token is drawn from the root's distribution."""
+    real = tree_verify.block_race
+
+    def root_race(w, p, seed, streams):
+        return real(p[:1].expand_as(p).contiguous(), p, seed, streams)
+    monkeypatch.setattr(tree_verify, "block_race", root_race)
+    result, _ = run_tree_gate(*CASES[0], tree_verify.verify_tree)
+    assert not result.passed, result.summary()
+
+
+def test_greedy_tree_accepts_the_longest_argmax_path() -> None:
+    """Temperature 0: the path follows the target's argmax through the tree, then the argmax."""
+    gen = torch.Generator().manual_seed(0)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    logits = torch.randn(1, 7, 50, generator=gen)
+    best = logits.argmax(-1)[0]
+    tokens = torch.tensor([[9, (best[0] + 1) % 50, best[0], best[2], (best[2] + 3) % 50, 5, 7]])
+    out, n_acc, path = tree_verify.verify_tree(logits, TreeDraft(tokens, parents, depth),
+                                               SamplingParams())
+    # node 2 (= argmax of root) accepted; its children: only node 5 -> token 5
+    expect_path = [2] + ([5] if int(best[2]) == 5 else [])
+    assert path[0, :len(expect_path)].tolist() == expect_path
+    assert int(n_acc[0]) == len(expect_path)
+    assert out[0, len(expect_path)] == best[expect_path[-1]]
