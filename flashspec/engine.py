@@ -26,21 +26,36 @@ from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
+from flashspec.tree import TreeShape, tree_mask, tree_positions
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
+from flashspec.verify.tree import verify_tree
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One choice the policy can make: a drafter (None: no speculation) and γ."""
+    """One choice the policy can make: a drafter (None: no speculation) and γ, or a draft tree
+    shape (γ is then the tree's depth: the most drafts a step can accept)."""
 
     drafter: Drafter | None
     gamma: int
+    tree: TreeShape | None = None
+
+    @classmethod
+    def of_tree(cls, drafter: Drafter, shape: TreeShape) -> "Arm":
+        return cls(drafter, shape.max_depth, shape)
 
     @property
     def name(self) -> str:
-        return "ar" if self.drafter is None or self.gamma == 0 else f"{self.drafter.name}@{self.gamma}"
+        if self.drafter is None or self.gamma == 0:
+            return "ar"
+        return f"{self.drafter.name}@{self.tree.label if self.tree else self.gamma}"
+
+    @property
+    def reach(self) -> int:
+        """Cache slots a step may write beyond the committed length (γ, or the tree's nodes)."""
+        return self.tree.candidates if self.tree is not None else self.gamma
 
 
 @dataclass
@@ -101,6 +116,11 @@ class SpecEngine:
         for arm in arms:
             if arm.gamma < 0 or (arm.drafter is not None and arm.gamma == 0):
                 raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
+            if arm.tree is not None and not (arm.drafter is not None and arm.drafter.tree):
+                raise FlashSpecError(f"arm {arm.name}: drafter cannot draft trees")
+            if arm.tree is not None and resident:
+                raise FlashSpecError(f"arm {arm.name}: draft trees do not run in the resident "
+                                     "loop yet; use hardware.resident_loop=false")
         self.target, self.arms, self.params = target, list(arms), params
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedArm(len(self.arms))
@@ -140,8 +160,8 @@ class SpecEngine:
 
     # ----------------------------------------------------------------- setup
     def _start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> DecodeState:
-        gamma_max = max(a.gamma for a in self.arms)
-        capacity = max(len(p) for p in prompts) + max_new_tokens + gamma_max + 2
+        reach = max(a.reach for a in self.arms)
+        capacity = max(len(p) for p in prompts) + max_new_tokens + reach + 2
         limit = self.target.shape.max_positions
         if self.graphs or self.resident:  # one cache (and its graphs) for every prompt
             capacity = min(max(-(-capacity // 1024) * 1024, self.min_capacity), max(limit, capacity))
@@ -224,7 +244,7 @@ class SpecEngine:
     # ----------------------------------------------------------------- one step
     def _plan(self, state: DecodeState, arm: Arm, budgets: list[int]) -> tuple[Arm, list[int]]:
         """The arm with the planner's γ for this step, and the real drafts per row at that γ."""
-        if self.planner is None or arm.drafter is None or arm.gamma == 0:
+        if self.planner is None or arm.drafter is None or arm.gamma == 0 or arm.tree is not None:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
 
@@ -261,6 +281,30 @@ class SpecEngine:
             raise FloatingPointError("verify rejected a row: NaN/inf logits or an out-of-range "
                                      "draft token; refusing to emit tokens")
         return [row[:-1] for row in host], counts
+
+    def _tree_step(self, state: DecodeState, arm: Arm, t0: float
+                   ) -> tuple[list[list[int]], list[int], float]:
+        """Draft a tree, score all its nodes in one target forward (tree mask, own slots),
+        verify (:func:`flashspec.verify.tree.verify_tree`) and move the accepted path's K/V into
+        place. Returns (out rows, n_accepted, drafting seconds)."""
+        tree = arm.drafter.propose_tree(state, arm.tree, self.params)
+        t_draft = time.perf_counter() - t0
+        lengths = torch.tensor(state.lengths, device=state.device)
+        positions, slots = tree_positions(tree, lengths)
+        span = max(state.lengths) + tree.size
+        mask = tree_mask(tree.ancestors(), lengths, span)
+        hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, span=span,
+                                            tree=(slots, mask))
+        seed = call_seed(self.seed, self.calls)
+        self.calls += 1
+        out, n_acc, path = verify_tree(self.target.logits(hidden), tree, self.params, seed)
+        dst = lengths[:, None] + torch.arange(path.shape[1], device=state.device)
+        self.cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
+        cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
+        state.set_hidden(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])),
+                         [n - 1 for n in state.lengths], None)
+        host = torch.cat([out, n_acc[:, None]], dim=1).tolist()         # the one host read
+        return [row[:-1] for row in host], [int(row[-1]) for row in host], t_draft
 
     def _commit(self, state: DecodeState, out: list[list[int]], n_acc: list[int],
                 budgets: list[int]) -> list[int]:
@@ -318,19 +362,22 @@ class SpecEngine:
             context = self._context(state, len(step_s), domain)
             arm_id = self.policy.select(context)
             arm, real = self._plan(state, self.arms[arm_id], budgets)
-            drafts, draft_logits = self._propose(state, arm)
-            t_draft = time.perf_counter() - ts
             active = [not f for f in state.finished]
-            out, n_acc = self._verify(state, drafts, draft_logits)
+            if arm.tree is not None:
+                out, n_acc, t_draft = self._tree_step(state, arm, ts)
+            else:
+                drafts, draft_logits = self._propose(state, arm)
+                t_draft = time.perf_counter() - ts
+                out, n_acc = self._verify(state, drafts, draft_logits)
             self._commit(state, out, n_acc, budgets)
             for drafter in self.drafters:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
             if self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
                 typical = arm.drafter is None or not arm.drafter.catching_up
-                self.planner.observe(drafts.shape[1], step_s[-1] if typical else None, real,
+                self.planner.observe(arm.gamma, step_s[-1] if typical else None, real,
                                      n_acc, active)
-            proposed, accepted = self._record(rows, active, arm_id, drafts.shape[1], n_acc)
+            proposed, accepted = self._record(rows, active, arm_id, arm.gamma, n_acc)
             r = self._reward(arm.drafter is not None, proposed, accepted, step_s[-1], t_draft,
                              sum(active))
             if r is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,13 @@ class TreeShape:
         if self.nodes:
             return self.nodes
         return sum(math.prod(self.branching[:d + 1]) for d in range(len(self.branching)))
+
+    @property
+    def candidates(self) -> int:
+        """Nodes drafted before the dynamic selection keeps ``nodes`` of them (static: N)."""
+        if self.nodes:
+            return self.top_k + (self.depth - 1) * self.top_k ** 2
+        return self.size
 
     @property
     def max_depth(self) -> int:
@@ -123,13 +131,71 @@ def tree_positions(draft: TreeDraft, lengths: torch.Tensor) -> tuple[torch.Tenso
 
 
 def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
-    """Attention mask [B, 1, N + 1, span]: node i sees the committed prefix (slots < L - 1) and
+    """Attention mask [B, 1, q, span] of q query nodes (``ancestors`` [B, q, N + 1], the rows of
+    :meth:`TreeDraft.ancestors` of the queries): node i sees the committed prefix (slots < L - 1) and
     the slots of its ancestors and itself (slot L - 1 + j for node j)."""
     slot = torch.arange(span, device=lengths.device)
     base = (lengths - 1)[:, None]                                   # [B, 1]
     prefix = slot[None] < base                                      # [B, span]
     col = slot[None] - base                                         # node id of a tree slot
-    n = ancestors.shape[-1]
+    queries, n = ancestors.shape[1:]
     inside = (col >= 0) & (col < n)
-    tree = ancestors.gather(2, col.clamp(0, n - 1)[:, None].expand(-1, n, -1))  # [B, N+1, span]
+    tree = ancestors.gather(2, col.clamp(0, n - 1)[:, None].expand(-1, queries, -1))  # [B, q, span]
     return (prefix[:, None] | (inside[:, None] & tree))[:, None]
+
+
+Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+def grow_tree(root_logp: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
+              expand: Expand) -> TreeDraft:
+    """Draft a tree per row from the root's draft log-probabilities [B, V].
+
+    Each depth, every frontier node gets its top draft tokens as children (static: ``k_d``;
+    dynamic: ``top_k``, and only the ``top_k`` new nodes of highest cumulative log-probability
+    form the next frontier). ``expand(ids [B, f], tokens [B, f], parents [B, f], depth,
+    ancestors [B, M + 1, M + 1]) -> log-probabilities [B, f, V]`` runs the drafter on new
+    frontier nodes (candidate ids 1..M, in drafting order; id 0 is the root). A dynamic tree then
+    keeps its ``nodes`` best candidates (ancestors first on ties: the scores never increase
+    down a path), renumbered in drafting order."""
+    batch, dev = root_logp.shape[0], root_logp.device
+    m = shape.candidates
+    rows = torch.arange(batch, device=dev)[:, None]
+    tokens = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
+    parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
+    depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
+    score = torch.zeros(batch, m + 1, device=dev)
+    anc = torch.eye(m + 1, dtype=torch.bool, device=dev).repeat(batch, 1, 1)
+    tokens[:, 0] = root_tokens
+    frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    logp, used = root_logp[:, None].float(), 1
+    for d in range(1, shape.max_depth + 1):
+        k = shape.branching[d - 1] if shape.branching else shape.top_k
+        lp, tok = logp.topk(k, dim=-1)                                      # [B, f, k]
+        n_new = lp[0].numel()
+        ids = torch.arange(used, used + n_new, device=dev).expand(batch, -1)
+        par = frontier[:, :, None].expand(-1, -1, k).reshape(batch, -1)
+        tokens[:, used:used + n_new] = tok.reshape(batch, -1)
+        parents[:, used:used + n_new] = par
+        depth[:, used:used + n_new] = d
+        score[:, used:used + n_new] = score[rows, par] + lp.reshape(batch, -1)
+        anc[:, used:used + n_new] = anc[rows, par]
+        anc[:, used:used + n_new, used:used + n_new] |= torch.eye(n_new, dtype=torch.bool, device=dev)
+        used += n_new
+        frontier = ids
+        if shape.nodes and n_new > shape.top_k:
+            best = score[rows, ids].topk(shape.top_k, dim=-1).indices
+            frontier = ids.gather(1, best)
+        if d < shape.max_depth:
+            logp = expand(frontier, tokens[rows, frontier], parents[rows, frontier], d, anc)
+    if not shape.nodes:
+        return TreeDraft(tokens, parents, depth)
+    order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :shape.nodes] + 1
+    keep = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev),
+                      order.sort(dim=1).values], dim=1)                     # [B, N+1], drafting order
+    renumber = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
+    renumber[rows, keep] = torch.arange(shape.nodes + 1, device=dev)
+    kept_parents = parents.gather(1, keep)
+    new_parents = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)),
+                              kept_parents)
+    return TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep))

@@ -11,6 +11,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphCache
 from flashspec.models.llama import LlamaLM
 from flashspec.options import DEFAULT, KernelOptions
+from flashspec.tree import TreeDraft, TreeShape
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -77,6 +78,7 @@ class Drafter(ABC):
     - ``available``: how many drafts each row would really get (the planner asks before
       paying for a proposal); ``features``: cheap facts about the next step that a
       context-conditioned policy may read (past only).
+    - ``propose_tree`` (when ``tree``): a draft tree instead of a chain.
     - ``prepare_graphs`` / ``capture_s`` / ``catching_up``: drafting through static buffers
       (CUDA graphs on a GPU), its capture time, and whether the last proposal ran a long eager
       catch-up window (a step whose time says nothing of the width's cost).
@@ -124,6 +126,15 @@ class Drafter(ABC):
     def catching_up(self) -> bool:
         """Whether the last proposal ran a long eager window (e.g. a new prompt)."""
         return False
+
+    # ------------------------------------------------------------------ draft trees
+    tree: bool = False        # whether propose_tree is implemented
+
+    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams
+                     ) -> TreeDraft:
+        """A draft tree of ``shape`` per row (:mod:`flashspec.tree`); children are chosen
+        deterministically (one-hot drafts), so verification needs no q."""
+        raise FlashSpecError(f"drafter {self.name!r} cannot draft trees")
 
     # ------------------------------------------------------------------ resident loop
     # (flashspec.resident): drafting as device ops over the device token buffer, no host state

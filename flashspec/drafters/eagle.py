@@ -27,6 +27,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
+from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_mask
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
@@ -108,9 +109,8 @@ class EagleDrafter(GraphedDrafting, Drafter):
         return self.module(feats, embeds, rope, positions, mask, self.cache, span)
 
     # ------------------------------------------------------------------ drafting
-    @torch.inference_mode()
-    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, state: DecodeState) -> tuple[list[int], int]:
+        """Absorb the last step's features; the catch-up window (starts, width) to run."""
         self._absorb(state)
         lengths = state.lengths
         missing = [b for b, (n, k) in enumerate(zip(lengths, self.known)) if k < n - 1]
@@ -118,10 +118,49 @@ class EagleDrafter(GraphedDrafting, Drafter):
             raise FlashSpecError(f"eagle drafter lacks target features for rows {missing}; it "
                                  "must be reset by the engine before the prompt's prefill")
         width = max(1, max(n - f for n, f in zip(lengths, self.filled)))
-        starts = [max(0, n - width) for n in lengths]
+        return [max(0, n - width) for n in lengths], width
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        starts, width = self._window(state)
         drafts, logits = self._drafts(state, starts, width, gamma, params, generator)
-        self.filled = list(lengths)  # speculative slots used predicted features: never valid
+        self.filled = list(state.lengths)  # speculative slots used predicted features: never valid
         return drafts, logits
+
+    tree = True
+
+    @torch.inference_mode()
+    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams
+                     ) -> TreeDraft:
+        """A draft tree per row (:func:`flashspec.tree.grow_tree`): the catch-up window gives
+        the root's predicted feature; each new frontier node runs the module once, in drafter
+        cache slot L - 1 + its candidate id, attending the prefix and its ancestors. Children
+        are the top draft tokens (one-hot drafts: verification does not need q)."""
+        starts, width = self._window(state)
+        dev, batch = state.device, state.batch
+        tokens, positions = state.window(starts, width)
+        lengths = torch.tensor(state.lengths, device=dev)
+        span = max(state.lengths) + shape.candidates
+        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
+        out = self._run(feats, tokens, positions, max(state.lengths))
+        rows = torch.arange(batch, device=dev)
+        h = torch.zeros(batch, shape.candidates + 1, out.shape[-1], dtype=out.dtype, device=dev)
+        h[:, 0] = out[rows, lengths - 1 - torch.tensor(starts, device=dev)]
+        self.filled = list(state.lengths)
+
+        def expand(ids, toks, parents, depth, anc):
+            feat = h[rows[:, None], parents]
+            pos = (lengths - 1 + depth)[:, None].expand_as(ids)
+            slots = lengths[:, None] - 1 + ids
+            mask = tree_mask(anc[rows[:, None], ids], lengths, span)
+            emb = self.target.embed_tokens(toks)
+            new = self.module(feat, emb, self.target.rope(pos), slots, mask, self.cache, span)
+            h[rows[:, None], ids] = new
+            return torch.log_softmax(self.head(new).float(), dim=-1)
+
+        root = torch.log_softmax(self.head(h[:, 0]).float(), dim=-1)
+        return grow_tree(root, state.tokens[rows, lengths - 1], shape, expand)
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,

@@ -71,6 +71,14 @@ class KVCache(nn.Module):
         self.v[i].scatter_(2, index, v)
         return self.k[i, :, :, :span], self.v[i, :, :, :span]
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V of slots ``src`` [B, n] to slots ``dst`` [B, n] (all read
+        before any is written: a draft tree's accepted path compacted into place)."""
+        layers, _, heads, _, dim = self.k.shape
+        at = lambda s: s[None, :, None, :, None].expand(layers, -1, heads, -1, dim)
+        for buf in (self.k, self.v):
+            buf.scatter_(3, at(dst), buf.gather(3, at(src)))
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -209,32 +217,39 @@ class LlamaLM(nn.Module):
         return ((emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype))
 
     def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                       layers: list[int] | None = None, span: int | None = None) -> torch.Tensor:
-        """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all)."""
+                       layers: list[int] | None = None, span: int | None = None,
+                       tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all).
+
+        ``tree`` = (cache slots [B, n], mask [B, 1, n, span]): the tokens of a draft tree
+        (:mod:`flashspec.tree`), at RoPE ``positions`` but written to their own slots and
+        attending what the mask allows."""
         x = self.embed_tokens(tokens)
-        if self._fused_step(x, positions, cache):
+        if tree is None and self._fused_step(x, positions, cache):
             residual, delta = self._fused_layers(x, positions, cache, layers)
             return self.decode_layers.final_norm(residual, delta, self.norm)
-        return self.norm(self.run_layers(x, positions, cache, layers, span))
+        return self.norm(self.run_layers(x, positions, cache, layers, span, tree))
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                   layers: list[int] | None, span: int | None = None) -> torch.Tensor:
+                   layers: list[int] | None, span: int | None = None,
+                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Residual stream after ``layers`` on input embeddings ``x`` (no final norm).
 
         ``span`` bounds the cache slots attended (host-known max position + 1); None attends the
-        whole cache capacity, which needs no device-to-host read.
+        whole cache capacity, which needs no device-to-host read. ``tree``: see forward_hidden.
         """
-        if self._fused_step(x, positions, cache):
+        if tree is None and self._fused_step(x, positions, cache):
             residual, delta = self._fused_layers(x, positions, cache, layers)
             return residual if delta is None else residual + delta
         if cache is None:
             span = positions.shape[1]
         elif span is None:
             span = cache.capacity
-        mask = self.attention_mask(positions, span, cache is not None)
+        slots, mask = tree if tree is not None else (
+            positions, self.attention_mask(positions, span, cache is not None))
         rope = self.rope(positions)
         for i in (range(self.shape.num_layers) if layers is None else layers):
-            x = self.layers[i](x, rope, positions, cache, mask, span)
+            x = self.layers[i](x, rope, slots, cache, mask, span)
         return x
 
     def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
