@@ -57,6 +57,8 @@ class Method:
 
 
 def engine_method(name: str, engine: SpecEngine, key: dict[str, Any] | None = None) -> Method:
+    trees = {i: a.tree.label for i, a in enumerate(engine.arms) if a.tree is not None}
+
     def run(prompts: list[list[int]], max_new: int, domain: str | None,
             seed: int | None = None) -> list[dict[str, Any]]:
         res = engine.generate(prompts, max_new, domain=domain, seed=seed)
@@ -64,7 +66,8 @@ def engine_method(name: str, engine: SpecEngine, key: dict[str, Any] | None = No
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
                  "step_p50_s": percentile(res.step_s, 50), "step_p99_s": percentile(res.step_s, 99),
-                 "capture_s": res.capture_s}
+                 "capture_s": res.capture_s,
+                 **({"trees": {str(i): t for i, t in trees.items()}} if trees else {})}
                 for r in res.rows]
     return Method(name, run, key)
 
@@ -185,7 +188,7 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                     continue
                 fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
                 plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw),
-                                                  arm_key(cfg, a.drafter.name, a.gamma, fixed.reward_kind)))
+                                                  arm_key_of(cfg, a, fixed.reward_kind)))
         elif m == "full_head":
             _full_head_reference(cfg, plan, ctx, drafters, arms, kw)
         else:
@@ -208,9 +211,9 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
         full = build(entries[arm.drafter.name], _partial_=True)(
             ctx=ctx, name=arm.drafter.name, head=FullHeadChoice())
         name = f"ref_full_head:{arm.name}"
-        engine = SpecEngine(ctx.target, [Arm(full, arm.gamma)], **kw)
-        plan.methods.append(engine_method(name, engine, arm_key(
-            cfg, arm.drafter.name, arm.gamma, engine.policy.reward_kind, full_head=True)))
+        engine = SpecEngine(ctx.target, [dataclasses.replace(arm, drafter=full)], **kw)
+        plan.methods.append(engine_method(name, engine, arm_key_of(
+            cfg, arm, engine.policy.reward_kind, full_head=True)))
         plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.name}", arm.gamma
         plan.heads = (arm.drafter.head, full.head)
         choice = build(cfg.head)
@@ -221,8 +224,8 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
         plan.arms.setdefault(i, plan.variant)
         if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
             engine = SpecEngine(ctx.target, [arm], **kw)
-            plan.methods.append(engine_method(plan.variant, engine, arm_key(
-                cfg, arm.drafter.name, arm.gamma, engine.policy.reward_kind)))
+            plan.methods.append(engine_method(plan.variant, engine, arm_key_of(
+                cfg, arm, engine.policy.reward_kind)))
         return
 
 
@@ -310,15 +313,23 @@ def _with_file_hashes(value: Any) -> Any:
     return value
 
 
-def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: bool = False) -> dict:
+def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: bool = False,
+            tree: str | None = None) -> dict:
     """What decides the records of one arm played alone: its drafter entry (resolved: the
     run's head choice when it takes it; with ``full_head`` the entry without it, since the full
-    head replaces it), γ and the reward kind the records carry."""
+    head replaces it), γ (and the tree shape of a tree arm) and the reward kind the records
+    carry."""
     entry = OmegaConf.to_container(cfg.drafters.drafters[drafter], resolve=True)
     if full_head:
         entry = {**{k: v for k, v in entry.items() if k != "head"}, "head": "full"}
-    return {"kind": "arm", "drafter": drafter, "entry": _with_file_hashes(entry),
-            "gamma": int(gamma), "reward": reward}
+    key = {"kind": "arm", "drafter": drafter, "entry": _with_file_hashes(entry),
+           "gamma": int(gamma), "reward": reward}
+    return key if tree is None else {**key, "tree": tree}
+
+
+def arm_key_of(cfg: DictConfig, arm: Arm, reward: str, full_head: bool = False) -> dict:
+    return arm_key(cfg, arm.drafter.name, arm.gamma, reward, full_head,
+                   arm.tree.label if arm.tree is not None else None)
 
 
 def run_key(cfg: DictConfig, prompts: list[Prompt], max_new: int) -> dict[str, Any]:
@@ -397,8 +408,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     plan = build_methods(cfg, target, tokenizer, params, eos)
     methods, roles = plan.methods, plan.roles()
-    resolved = {"arms": plan.arm_names, "gammas": sorted({int(n.rsplit("@", 1)[1]) for n in
-                                                         plan.arm_names if "@" in n}),
+    shapes = [n.rsplit("@", 1)[1] for n in plan.arm_names if "@" in n]
+    resolved = {"arms": plan.arm_names, "gammas": sorted({int(s) for s in shapes if s.isdigit()}),
+                "trees": sorted({s for s in shapes if not s.isdigit()}),
                 "head": plan.head, "methods": [m.name for m in methods]}
     scope = reuse_scope(cfg)
     keys: dict[str, str] = {}

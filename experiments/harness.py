@@ -26,6 +26,7 @@ from flashspec.engine import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
+from flashspec.tree import TreeShape
 from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
                                provenance)
@@ -82,28 +83,42 @@ def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Dra
     return out
 
 
-def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """(drafter name, γ) per arm: the explicit ``arms`` list, or every drafter × every γ."""
+def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShape]]:
+    """(drafter name, γ or draft-tree shape) per arm: the explicit ``arms`` list (a γ, or a tree
+    written as in :meth:`flashspec.tree.TreeShape.parse`: ``4x2x1``, ``dyn15``), or every
+    drafter × every γ."""
     pairs = cfg_drafters.get("arms")
     if pairs is None:
         pairs = [(name, g) for name in (cfg_drafters.get("drafters") or {})
                  for g in cfg_drafters.get("gammas", [4])]
-    return [(str(name), int(gamma)) for name, gamma in pairs]
+    out = []
+    for name, how in pairs:
+        if isinstance(how, bool):
+            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma")
+        out.append((str(name), how if isinstance(how, int) else TreeShape.parse(str(how))))
+    return out
 
 
 def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
-    """Arms (drafter, γ); the name ``ar`` is the arm without speculation (a target-only step)."""
+    """Arms (drafter, γ) or (drafter, tree shape); the name ``ar`` is the arm without
+    speculation (a target-only step)."""
     arms = []
-    for name, gamma in arm_pairs(cfg_drafters):
+    for name, how in arm_pairs(cfg_drafters):
         if name == "ar":
             arms.append(Arm(None, 0))
             continue
         if name not in drafters:
             raise FlashSpecError(f"drafters.arms names drafter {name!r}, not in the drafter set "
                                  f"{list(drafters)}")
-        if gamma <= 0:
-            raise FlashSpecError(f"gamma must be a positive int, got {gamma} for drafter {name!r}")
-        arms.append(Arm(drafters[name], gamma))
+        if isinstance(how, TreeShape):
+            if not drafters[name].tree:
+                raise FlashSpecError(f"drafters.arms gives drafter {name!r} the tree {how.label}; "
+                                     "it drafts chains only (trees: EagleDrafter)")
+            arms.append(Arm.of_tree(drafters[name], how))
+            continue
+        if how <= 0:
+            raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
+        arms.append(Arm(drafters[name], how))
     return arms
 
 

@@ -16,6 +16,19 @@ def tau(n_accepted: int, steps: int) -> float | None:
     return (n_accepted + steps) / steps if steps else None
 
 
+def alpha_by_depth(hists: Iterable[Sequence[int]]) -> list[float | None]:
+    """α at each depth d = 1, 2, ...: of the steps that accepted d - 1 drafts, the share that
+    accepted a d-th (from summed acceptance histograms ``hist[n]`` = steps accepting n drafts;
+    for a draft tree, the accepted path's depth)."""
+    total: list[int] = []
+    for h in hists:
+        total.extend([0] * (len(h) - len(total)))
+        for n, c in enumerate(h):
+            total[n] += c
+    reach = [sum(total[d:]) for d in range(len(total))]
+    return [reach[d] / reach[d - 1] if reach[d - 1] else None for d in range(1, len(total))]
+
+
 def rates(n_accepted: int, n_proposed: int, steps: int) -> dict[str, float | None]:
     """``{"alpha": α, "tau": τ}`` of one record or group (ratios of sums)."""
     return {"alpha": alpha(n_accepted, n_proposed), "tau": tau(n_accepted, steps)}
@@ -48,7 +61,8 @@ def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[d
                      "tokens": sum(r["n_new_tokens"] for r in rs),
                      **rates(acc, sum(r["n_proposed"] for r in rs), steps),
                      "tps": pooled_rate(rs),
-                     "speedup": statistics.median(ratios) if ratios else None})
+                     "speedup": statistics.median(ratios) if ratios else None,
+            **{f"alpha_d{d}": a for d, a in enumerate(depth, start=1)}})
     return rows
 
 
@@ -152,10 +166,12 @@ def decode_stats(records: list[dict[str, Any]], baseline: list[dict[str, Any]] |
     p50 = [r["step_p50_s"] for r in records if r.get("step_p50_s") is not None]
     p99 = [r["step_p99_s"] for r in records if r.get("step_p99_s") is not None]
     measures_tau = all(r.get("tau") is not None for r in records)
+    depth = alpha_by_depth(r.get("accept_hist") or [] for r in records) if measures_tau else []
     return {**rates(acc, sum(r["n_proposed"] for r in records), steps),
             **({} if measures_tau else {"tau": None}),
             "tps": pooled_rate(records) if records else None,
             "decode_tps": sum(r["n_new_tokens"] for r in records) / decode_s if decode_s else None,
             "step_p50_s": statistics.median(p50) if p50 else None,
             "step_p99_s": statistics.median(p99) if p99 else None,
-            "speedup": statistics.median(ratios) if ratios else None}
+            "speedup": statistics.median(ratios) if ratios else None,
+            **{f"alpha_d{d}": a for d, a in enumerate(depth, start=1)}}

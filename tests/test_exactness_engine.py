@@ -22,6 +22,7 @@ from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDr
 from flashspec.engine import Arm, SpecEngine
 from flashspec.heads import LowRankChoice, LowRankHead
 from flashspec.models import load_model
+from flashspec.tree import TreeShape
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 
@@ -81,6 +82,9 @@ def arms_for(model, kind: str) -> list[Arm]:
                                    head=LowRankChoice(rank=72, init="trained"))
         assert isinstance(eagle.head, LowRankHead) and eagle.head.rank == 72
         return [Arm(eagle, 2)]
+    if kind == "eagletree":  # the same drafter as a chain and as a draft tree, under a bandit
+        eagle = arms_for(model, "eagle")[0].drafter
+        return [Arm(eagle, 2), Arm.of_tree(eagle, TreeShape.parse("3x2"))]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
     return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
@@ -90,20 +94,21 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
 
 
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
-                                                    ("eagle", 1.0, 0),
+                                                    ("eagletree", 1.0, 0),
                                                     ("layerskip_static", 1.0, 0),
                                                     ("bandit_resident", 0.7, 50)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
     """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
     by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
     (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
-    bandit, top-k), eagerly on the CPU. The resident EAGLE step shares its drafting and q with
-    the reference loop's (``_draft``), gated as ``eagle``."""
+    bandit, top-k), eagerly on the CPU. ``eagletree``: UCB1 over the trained EAGLE drafter as
+    a γ=2 chain (full q) and as a 3x2 draft tree (tree verify, K/V compaction). The resident
+    EAGLE step shares its drafting and q with the reference loop's (``_draft``), gated here."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     base, _, mode = kind.partition("_")
     arms = arms_for(model, base)
-    policy = UCB1(len(arms), seed=0) if base == "bandit" else None
+    policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
                         graphs=mode == "static", resident=mode == "resident")
     ar = target_only_pairs(model, prompt, params)
@@ -114,7 +119,7 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     assert first.passed, first.summary()
     p_pair = pair_homogeneity(spec, ar)
     assert p_pair >= 0.01, f"joint (x0, x1) differs from target-only sampling: p={p_pair:.3g}"
-    if base == "bandit":
+    if policy is not None:
         assert (np.asarray(policy.counts) > 0).all(), "the bandit must have tried every arm"
 
 

@@ -1,0 +1,148 @@
+"""Draft trees (flashspec.tree, the tree step of flashspec.engine): shapes, drafting, the tree
+mask and positions against plain forwards of each path, K/V compaction, and greedy output equal
+to target-only AR in fp32 on the real SmolLM2 with the trained EAGLE drafter (the distribution
+gates are in test_exactness_tree.py and test_exactness_engine.py ``eagletree``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from experiments.harness import build_arms
+from flashspec.drafters import DraftContext, EagleDrafter, NgramDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.errors import FlashSpecError
+from flashspec.heads import LowRankChoice
+from flashspec.metrics import alpha_by_depth
+from flashspec.models import load_model
+from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_mask, tree_positions
+from test_engine import TEXTS, small_model_dir
+from test_exactness_engine import EAGLE
+
+
+def test_shapes_parse_and_count() -> None:
+    assert TreeShape.parse("4x2x1") == TreeShape(branching=(4, 2, 1))
+    assert TreeShape.parse("4x2x1").size == 4 + 8 + 8 and TreeShape.parse("4x2x1").max_depth == 3
+    dyn = TreeShape.parse("dyn15")
+    assert (dyn.nodes, dyn.depth, dyn.top_k, dyn.label) == (15, 6, 4, "dyn15d6k4")
+    assert dyn.candidates == 4 + 5 * 16
+    for bad in ("4x0", "tree", "dyn3d5", "8x8x8"):
+        with pytest.raises(FlashSpecError):
+            TreeShape.parse(bad)
+
+
+def fake_expand(vocab: int, seed: int = 0):
+    """Drafter stand-in: pseudo-random log-probabilities per (node id, depth)."""
+    def expand(ids, toks, parents, depth, anc):
+        gen = torch.Generator().manual_seed(seed + depth)
+        base = torch.randn(ids.shape[0], 1, vocab, generator=gen)
+        return torch.log_softmax(base + 0.5 * toks[..., None].float().sin() * torch.arange(vocab), -1)
+    return expand
+
+
+@pytest.mark.parametrize("spec", ["3x2x1", "dyn9d4k3", "dyn5d5k1"])
+def test_grown_trees_are_trees(spec: str) -> None:
+    shape, vocab = TreeShape.parse(spec), 40
+    root = torch.log_softmax(torch.randn(2, vocab), -1)
+    tree = grow_tree(root, torch.tensor([7, 8]), shape, fake_expand(vocab))
+    assert tree.tokens.shape == (2, shape.size + 1) and (tree.tokens[:, 0] == torch.tensor([7, 8])).all()
+    assert (tree.parents[:, 0] == -1).all() and (tree.parents[:, 1:] >= 0).all()
+    assert (tree.parents[:, 1:] < torch.arange(1, shape.size + 1)).all()       # topological
+    par = tree.parents.clamp(min=0)
+    assert (tree.depth[:, 1:] == tree.depth.gather(1, par)[:, 1:] + 1).all()
+    assert int(tree.depth.max()) <= shape.max_depth
+    kids = tree.children()
+    for b in range(2):      # siblings distinct tokens; children() lists each node once
+        listed = sorted(int(k) for k in kids[b].flatten() if k >= 0)
+        assert listed == list(range(1, shape.size + 1))
+        for row in kids[b]:
+            toks = [int(tree.tokens[b, k]) for k in row if k >= 0]
+            assert len(toks) == len(set(toks))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return load_model(str(small_model_dir(tmp_path_factory.mktemp("four"), n_layers=4)))
+
+
+def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
+    """Node i's logits in one tree forward (own slot, tree mask, RoPE by depth) equal the last
+    logits of a plain cached forward of prefix + the path to i; then KVCache.move puts the
+    accepted path's K/V where a chain step would have written them."""
+    model, tok = four
+    prefix = tok("def add(a, b):\n    return", return_tensors="pt")["input_ids"]
+    L = prefix.shape[1] + 1          # committed length: the prefix plus the root token
+    root = torch.tensor([[11]])
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    tree = TreeDraft(torch.tensor([[11, 5, 9, 13, 17, 21, 25]]), parents, depth)
+    cache = model.new_cache(1, 64)
+    with torch.inference_mode():
+        model.forward_hidden(prefix, torch.arange(L - 1)[None], cache, span=L - 1)
+        lengths = torch.tensor([L])
+        pos, slots = tree_positions(tree, lengths)
+        span = L + tree.size
+        logits = model.logits(model.forward_hidden(
+            tree.tokens, pos, cache, span=span, tree=(slots, tree_mask(tree.ancestors(), lengths, span))))
+        for node in range(tree.size + 1):
+            path, n = [], node
+            while n >= 0:
+                path.insert(0, n)
+                n = int(parents[0, n])
+            ids = torch.cat([prefix, tree.tokens[:, path]], dim=1)
+            ref = model(ids, torch.arange(ids.shape[1])[None])[0, -1]
+            torch.testing.assert_close(logits[0, node], ref, atol=2e-4, rtol=2e-4)
+        # accept the path 0 -> 1 -> 3 -> 6: move its K/V to slots L, L + 1, L + 2
+        src = torch.tensor([[L - 1 + 1, L - 1 + 3, L - 1 + 6]])
+        dst = torch.tensor([[L, L + 1, L + 2]])
+        want_k = cache.k[:, 0, :, src[0]].clone()
+        cache.move(src, dst)
+        torch.testing.assert_close(cache.k[:, 0, :, dst[0]], want_k)
+        chain = model.new_cache(1, 64)
+        ids = torch.cat([prefix, tree.tokens[:, [0, 1, 3, 6]]], dim=1)
+        model.forward_hidden(ids, torch.arange(ids.shape[1])[None], chain, span=ids.shape[1])
+        torch.testing.assert_close(cache.k[:, 0, :, :L + 3], chain.k[:, 0, :, :L + 3], atol=1e-5, rtol=1e-5)
+    assert root.shape == (1, 1)
+
+
+def test_alpha_by_depth() -> None:
+    assert alpha_by_depth([[2, 1, 1], [0, 0, 0, 4]]) == [6 / 8, 5 / 6, 4 / 5]
+
+
+def test_tree_arms_from_config(four) -> None:
+    model, _ = four
+    eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE))
+    cfg = OmegaConf.create({"drafters": {}, "arms": [["eagle", 3], ["eagle", "4x2"], ["eagle", "dyn8"]]})
+    arms = build_arms(cfg, {"eagle": eagle, "ngram": NgramDrafter()})
+    assert [a.name for a in arms] == ["eagle@3", "eagle@4x2", "eagle@dyn8d6k4"]
+    assert arms[1].gamma == 2 and arms[2].reach == TreeShape.parse("dyn8").candidates
+    with pytest.raises(FlashSpecError, match="chains only"):
+        build_arms(OmegaConf.create({"arms": [["ngram", "2x2"]]}), {"ngram": NgramDrafter()})
+    with pytest.raises(FlashSpecError, match="resident"):
+        SpecEngine(model, [arms[1]], resident=True)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok = load_model("smollm2")     # fp32 on the CPU
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"] for t in TEXTS]
+    eagle = EagleDrafter.build(DraftContext(model, tok), "eagle", checkpoint=str(EAGLE),
+                               head=LowRankChoice(rank=72, init="trained"))
+    return model, tok, prompts, eagle
+
+
+@pytest.mark.parametrize("spec", ["3x2x1", "dyn12"])
+def test_tree_greedy_equals_target_only(smol, spec) -> None:
+    """fp32 CPU, the trained drafter, a batch of prompts with ragged acceptance, an EOS that
+    row 0 reaches mid-stream, and a budget that ends inside accepted runs."""
+    model, tok, prompts, eagle = smol
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    for new, eos_ids in ((40, []), (37, eos)):
+        ref = SpecEngine(model, [Arm(None, 0)], eos_ids=eos_ids).generate(prompts, new).rows
+        out = SpecEngine(model, [Arm.of_tree(eagle, TreeShape.parse(spec))], eos_ids=eos_ids
+                         ).generate(prompts, new).rows
+        assert [r.tokens for r in out] == [r.tokens for r in ref]
+        assert sum(r.n_accepted for r in out) > 0
+        assert all(sum(r.accept_hist) == r.steps for r in out)
