@@ -287,7 +287,7 @@ class SpecEngine:
         """Draft a tree, score all its nodes in one target forward (tree mask, own slots),
         verify (:func:`flashspec.verify.tree.verify_tree`) and move the accepted path's K/V into
         place. Returns (out rows, n_accepted, drafting seconds)."""
-        tree = arm.drafter.propose_tree(state, arm.tree, self.params)
+        tree = arm.drafter.propose_tree(state, arm.tree, self.params, self.generator)
         t_draft = time.perf_counter() - t0
         lengths = torch.tensor(state.lengths, device=state.device)
         positions, slots = tree_positions(tree, lengths)

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from flashspec.errors import FlashSpecError
+from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 MAX_NODES = 64
 
@@ -89,11 +90,14 @@ class TreeShape:
 @dataclass
 class TreeDraft:
     """The drafted trees of a batch: ``tokens``, ``parents``, ``depth`` [B, N + 1] (node 0 the
-    root: the last committed token, parent -1, depth 0)."""
+    root: the last committed token, parent -1, depth 0). ``logits`` [B, N + 1, V]: the raw draft
+    logits at each node when its children were sampled from them without replacement (in
+    sibling order); None when children were chosen deterministically (one-hot drafts)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
+    logits: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -147,18 +151,35 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
-def grow_tree(root_logp: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
-              expand: Expand) -> TreeDraft:
-    """Draft a tree per row from the root's draft log-probabilities [B, V].
+def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log q) [..., k] of the children of nodes with raw draft ``logits`` [..., V]:
+    greedy, the top k tokens (one-hot drafts); sampling, k draws without replacement from
+    q = warp(logits) (Gumbel top-k: the keys' order is the order of sequential draws)."""
+    if params.greedy:
+        lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return tok, lp
+    logq = warp_logprobs(logits, params)
+    u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+    tok = (logq - torch.log(-torch.log(u))).topk(k, dim=-1).indices
+    return tok, logq.gather(-1, tok)
 
-    Each depth, every frontier node gets its top draft tokens as children (static: ``k_d``;
-    dynamic: ``top_k``, and only the ``top_k`` new nodes of highest cumulative log-probability
-    form the next frontier). ``expand(ids [B, f], tokens [B, f], parents [B, f], depth,
-    ancestors [B, M + 1, M + 1]) -> log-probabilities [B, f, V]`` runs the drafter on new
-    frontier nodes (candidate ids 1..M, in drafting order; id 0 is the root). A dynamic tree then
-    keeps its ``nodes`` best candidates (ancestors first on ties: the scores never increase
-    down a path), renumbered in drafting order."""
-    batch, dev = root_logp.shape[0], root_logp.device
+
+def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
+              expand: Expand, params: SamplingParams = SamplingParams(),
+              generator: torch.Generator | None = None) -> TreeDraft:
+    """Draft a tree per row from the root's raw draft logits [B, V].
+
+    Each depth, every frontier node gets children (:func:`pick_children`; static: ``k_d`` of
+    them; dynamic: ``top_k``, and only the ``top_k`` new nodes of highest cumulative draft
+    log-probability form the next frontier). ``expand(ids [B, f], tokens [B, f], parents
+    [B, f], depth, ancestors [B, M + 1, M + 1]) -> raw logits [B, f, V]`` runs the drafter on
+    new frontier nodes (candidate ids 1..M in drafting order, siblings consecutive; id 0 is the
+    root). A dynamic tree then keeps its ``nodes`` best candidates, renumbered in drafting order.
+    The kept set is closed under ancestors and under earlier siblings (a sampled sibling was
+    drawn without the ones before it): a node's rank is the minimum score of itself and its
+    earlier siblings, never above its parent's; ties go to the earlier node."""
+    batch, dev = root_logits.shape[0], root_logits.device
     m = shape.candidates
     rows = torch.arange(batch, device=dev)[:, None]
     tokens = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
@@ -166,19 +187,25 @@ def grow_tree(root_logp: torch.Tensor, root_tokens: torch.Tensor, shape: TreeSha
     depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
     score = torch.zeros(batch, m + 1, device=dev)
     anc = torch.eye(m + 1, dtype=torch.bool, device=dev).repeat(batch, 1, 1)
+    sampled = not params.greedy
+    raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
+           if sampled else None)
     tokens[:, 0] = root_tokens
     frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-    logp, used = root_logp[:, None].float(), 1
+    logits, used = root_logits[:, None], 1
     for d in range(1, shape.max_depth + 1):
+        if raw is not None:
+            raw[rows, frontier] = logits
         k = shape.branching[d - 1] if shape.branching else shape.top_k
-        lp, tok = logp.topk(k, dim=-1)                                      # [B, f, k]
-        n_new = lp[0].numel()
+        tok, lp = pick_children(logits, k, params, generator)               # [B, f, k]
+        n_new = tok[0].numel()
         ids = torch.arange(used, used + n_new, device=dev).expand(batch, -1)
         par = frontier[:, :, None].expand(-1, -1, k).reshape(batch, -1)
         tokens[:, used:used + n_new] = tok.reshape(batch, -1)
         parents[:, used:used + n_new] = par
         depth[:, used:used + n_new] = d
-        score[:, used:used + n_new] = score[rows, par] + lp.reshape(batch, -1)
+        own = score[rows, frontier][..., None] + lp.float()
+        score[:, used:used + n_new] = torch.cummin(own, dim=-1).values.reshape(batch, -1)
         anc[:, used:used + n_new] = anc[rows, par]
         anc[:, used:used + n_new, used:used + n_new] |= torch.eye(n_new, dtype=torch.bool, device=dev)
         used += n_new
@@ -187,9 +214,9 @@ def grow_tree(root_logp: torch.Tensor, root_tokens: torch.Tensor, shape: TreeSha
             best = score[rows, ids].topk(shape.top_k, dim=-1).indices
             frontier = ids.gather(1, best)
         if d < shape.max_depth:
-            logp = expand(frontier, tokens[rows, frontier], parents[rows, frontier], d, anc)
+            logits = expand(frontier, tokens[rows, frontier], parents[rows, frontier], d, anc)
     if not shape.nodes:
-        return TreeDraft(tokens, parents, depth)
+        return TreeDraft(tokens, parents, depth, raw)
     order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :shape.nodes] + 1
     keep = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev),
                       order.sort(dim=1).values], dim=1)                     # [B, N+1], drafting order
@@ -198,4 +225,5 @@ def grow_tree(root_logp: torch.Tensor, root_tokens: torch.Tensor, shape: TreeSha
     kept_parents = parents.gather(1, keep)
     new_parents = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)),
                               kept_parents)
-    return TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep))
+    return TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep),
+                     None if raw is None else raw[rows, keep])

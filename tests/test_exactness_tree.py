@@ -24,23 +24,27 @@ from flashspec.verify import SamplingParams  # noqa: E402
 from flashspec.verify import tree as tree_verify  # noqa: E402
 
 N_ROWS, LENGTH, VOCAB = 10_000, 5, 256
-CASES = [  # (temperature, top_k, top_p, branching, draft overlap)
-    (1.0, 0, 1.0, (3, 2, 1), 0.9),
-    (0.7, 20, 1.0, (4, 2), 0.8),
-    (1.5, 0, 0.9, (2, 2, 2), 0.95),
+CASES = [  # (temperature, top_k, top_p, branching, draft overlap, sampled siblings with full q)
+    (1.0, 0, 1.0, (3, 2, 1), 0.9, False),
+    (0.7, 20, 1.0, (4, 2), 0.8, False),
+    (1.5, 0, 0.9, (2, 2, 2), 0.95, False),
+    (1.0, 0, 1.0, (3, 2, 1), 0.9, True),
+    (0.7, 20, 0.9, (4, 2), 0.8, True),
 ]
 
 
-def run_tree_gate(temperature, top_k, top_p, branching, overlap, verify_fn, seed=0):
+def run_tree_gate(temperature, top_k, top_p, branching, overlap, full_q, verify_fn, seed=0):
     target, z = make_target(VOCAB, LENGTH + len(branching) + 2, seed=seed)
     draft = make_draft(z, overlap, seed=seed + 1)
     params = SamplingParams(temperature, top_k, top_p)
-    run = tree_speculative_sample(target, draft, branching, params, N_ROWS, LENGTH, verify_fn, seed)
+    run = tree_speculative_sample(target, draft, branching, params, N_ROWS, LENGTH, verify_fn,
+                                  seed, full_q)
     probs = exact_target_probs(target[:LENGTH], temperature, top_k, top_p)
     return gate(run.tokens, sample_reference(probs, N_ROWS, seed + 12345), probs), run
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-p{c[2]}-{'x'.join(map(str, c[3]))}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-p{c[2]}-{'x'.join(map(str, c[3]))}"
+                                                   f"-{'q' if c[5] else '1hot'}")
 def test_tree_gate_passes(case) -> None:
     result, run = run_tree_gate(*case, tree_verify.verify_tree)
     print(f"\n[tree gate] {case}: alpha={run.alpha:.3f} tau={1 + run.accepted / run.calls / N_ROWS:.2f} "
@@ -49,12 +53,13 @@ def test_tree_gate_passes(case) -> None:
     assert result.passed, result.summary()
 
 
-def test_tree_gate_fails_when_rejected_siblings_stay_in_the_residual(monkeypatch) -> None:
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["1hot", "q"])
+def test_tree_gate_fails_when_rejected_siblings_stay_in_the_residual(monkeypatch, case) -> None:
     """Planted bug: the residual after a rejected sibling is not updated (its token keeps its
     mass, so later siblings are tested against the wrong distribution and the correction token
     can repeat a rejected one)."""
-    monkeypatch.setattr(tree_verify, "drop_rejected", lambda w, rows, tokens: None)
-    result, run = run_tree_gate(*CASES[0], tree_verify.verify_tree)
+    monkeypatch.setattr(tree_verify, "drop_rejected", lambda w, q, rows, tokens: None)
+    result, run = run_tree_gate(*case, tree_verify.verify_tree)
     print(f"\n[tree gate] planted sibling-residual bug: {result.summary()}")
     assert not result.passed, result.summary()
 

@@ -16,6 +16,7 @@ from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
 from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_mask, tree_positions
+from flashspec.verify import SamplingParams
 from test_engine import TEXTS, small_model_dir
 from test_exactness_engine import EAGLE
 
@@ -36,15 +37,23 @@ def fake_expand(vocab: int, seed: int = 0):
     def expand(ids, toks, parents, depth, anc):
         gen = torch.Generator().manual_seed(seed + depth)
         base = torch.randn(ids.shape[0], 1, vocab, generator=gen)
-        return torch.log_softmax(base + 0.5 * toks[..., None].float().sin() * torch.arange(vocab), -1)
+        return base + 0.5 * toks[..., None].float().sin() * torch.arange(vocab)
     return expand
 
 
 @pytest.mark.parametrize("spec", ["3x2x1", "dyn9d4k3", "dyn5d5k1"])
-def test_grown_trees_are_trees(spec: str) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grown_trees_are_trees(spec: str, temperature: float) -> None:
+    """Topological, depths consistent, distinct siblings; sampled trees carry each node's
+    logits and keep siblings as a prefix of their draw order."""
     shape, vocab = TreeShape.parse(spec), 40
-    root = torch.log_softmax(torch.randn(2, vocab), -1)
-    tree = grow_tree(root, torch.tensor([7, 8]), shape, fake_expand(vocab))
+    root = torch.randn(2, vocab)
+    tree = grow_tree(root, torch.tensor([7, 8]), shape, fake_expand(vocab),
+                     SamplingParams(temperature), torch.Generator().manual_seed(1))
+    assert (tree.logits is None) == (temperature == 0)
+    if tree.logits is not None:
+        assert tree.logits.shape == (2, shape.size + 1, vocab)
+        torch.testing.assert_close(tree.logits[:, 0], root)
     assert tree.tokens.shape == (2, shape.size + 1) and (tree.tokens[:, 0] == torch.tensor([7, 8])).all()
     assert (tree.parents[:, 0] == -1).all() and (tree.parents[:, 1:] >= 0).all()
     assert (tree.parents[:, 1:] < torch.arange(1, shape.size + 1)).all()       # topological

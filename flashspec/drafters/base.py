@@ -130,10 +130,11 @@ class Drafter(ABC):
     # ------------------------------------------------------------------ draft trees
     tree: bool = False        # whether propose_tree is implemented
 
-    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams
-                     ) -> TreeDraft:
-        """A draft tree of ``shape`` per row (:mod:`flashspec.tree`); children are chosen
-        deterministically (one-hot drafts), so verification needs no q."""
+    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
+                     generator: torch.Generator | None) -> TreeDraft:
+        """A draft tree of ``shape`` per row (:mod:`flashspec.tree`): children chosen
+        deterministically (``TreeDraft.logits`` None) or drawn without replacement from the
+        draft logits the tree carries."""
         raise FlashSpecError(f"drafter {self.name!r} cannot draft trees")
 
     # ------------------------------------------------------------------ resident loop

@@ -131,12 +131,13 @@ class EagleDrafter(GraphedDrafting, Drafter):
     tree = True
 
     @torch.inference_mode()
-    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams
-                     ) -> TreeDraft:
+    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
+                     generator: torch.Generator | None) -> TreeDraft:
         """A draft tree per row (:func:`flashspec.tree.grow_tree`): the catch-up window gives
         the root's predicted feature; each new frontier node runs the module once, in drafter
         cache slot L - 1 + its candidate id, attending the prefix and its ancestors. Children
-        are the top draft tokens (one-hot drafts: verification does not need q)."""
+        are the top draft tokens when greedy, else drawn without replacement from q (the
+        drafter's warped logits, returned with the tree for verification)."""
         starts, width = self._window(state)
         dev, batch = state.device, state.batch
         tokens, positions = state.window(starts, width)
@@ -157,10 +158,14 @@ class EagleDrafter(GraphedDrafting, Drafter):
             emb = self.target.embed_tokens(toks)
             new = self.module(feat, emb, self.target.rope(pos), slots, mask, self.cache, span)
             h[rows[:, None], ids] = new
-            return torch.log_softmax(self.head(new).float(), dim=-1)
+            return self._scaled(self.head(new))
 
-        root = torch.log_softmax(self.head(h[:, 0]).float(), dim=-1)
-        return grow_tree(root, state.tokens[rows, lengths - 1], shape, expand)
+        return grow_tree(self._scaled(self.head(h[:, 0])), state.tokens[rows, lengths - 1], shape,
+                         expand, params, generator)
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits with ``draft_temperature`` applied (what drafts are drawn from)."""
+        return logits if self.draft_temperature == 1.0 else logits / self.draft_temperature
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,
@@ -172,9 +177,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         h = out[torch.arange(tokens.shape[0], device=tokens.device), last_idx]
         drafts, draft_logits = [], []
         for i in range(gamma):
-            logits = self.head(h)
-            if self.draft_temperature != 1.0:   # q is what was sampled from: still exact
-                logits = logits / self.draft_temperature
+            logits = self._scaled(self.head(h))   # q is what was sampled from: still exact
             tok = sample(logits, params, generator, seed, i)[0]
             drafts.append(tok)
             draft_logits.append(logits)

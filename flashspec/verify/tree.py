@@ -1,16 +1,23 @@
 """Exact verification of a draft tree (reference): recursive rejection sampling over siblings.
 
-The drafter chose each node's children deterministically (the top draft tokens, or any rule
-that does not read the verifier's random numbers), so the draft distribution of a child is
-one-hot. Walking down from the root with w = p(· | node), the children are tested in priority
-order: child x is accepted with probability w(x) / Σw (uniform of stream ``row * (N+1) + child``
-at index V, in log space); a rejected child's token is removed from w (``drop_rejected``: the
-residual max(0, w - Σw·δ_x) of a one-hot draft is w with x zeroed) and the next sibling is
-tested against what is left. An accepted child becomes the node; when every child is rejected
-(or the node is a leaf) one token is drawn from w by the two-level exponential race of the chain
-rule (stream ``row * (N+1) + node``), which is the bonus token at a leaf. Each level is a chain
-of single-draft speculative steps whose residual is the next step's target, so the emitted
-token is distributed exactly as p(· | node); by induction so is the whole path.
+Walking down from the root with w = p(· | node) (unnormalised residual masses), the node's
+children are tested in their order; child x is accepted with probability min(1, p_j(x) / q_j(x))
+(p_j = w / Σw; uniform of stream ``row * (N+1) + child`` at index V, in log space), and a
+rejected child updates the residual (``drop_rejected``) before the next sibling is tested:
+
+- one-hot drafts (``draft.logits`` None: children chosen deterministically, e.g. the top draft
+  tokens, by a rule that does not read the verifier's random numbers): q_j = δ_x, so the
+  residual max(0, p_j - δ_x) is w with x zeroed;
+- sampled drafts (``draft.logits`` [B, N+1, V]: node i's children were drawn from
+  q = warp(logits[i]) *without replacement*, in that order): q_j is q with the earlier siblings
+  removed, and the residual is max(0, p_j - q_j); x then leaves q.
+
+An accepted child becomes the node; when every child is rejected (or the node is a leaf) one
+token is drawn from w by the two-level exponential race of the chain rule (stream
+``row * (N+1) + node``): the correction, or the bonus token at a leaf. Each sibling test is a
+single-draft speculative step (draft x ~ q_j, independent of the earlier tests) whose residual
+is the next test's target, so the emitted token is distributed exactly as p(· | node); by
+induction so is the whole path.
 
 Greedy rows accept the first child equal to the target's argmax and emit the argmax: the
 longest path matching the target's greedy continuation.
@@ -25,9 +32,18 @@ from flashspec.verify.reference import block_race, row_temperatures, warp_rows
 from flashspec.verify.sampling import SamplingParams, check_finite
 
 
-def drop_rejected(w: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-    """The residual after rejecting the one-hot drafts ``tokens`` of ``rows``: zero them in w."""
-    w[rows, tokens] = 0.0
+def drop_rejected(w: torch.Tensor, q: torch.Tensor | None, rows: torch.Tensor,
+                  tokens: torch.Tensor) -> None:
+    """The residual after rejecting draft ``tokens`` of ``rows`` (in place): one-hot drafts
+    (q None) zero the token in w; sampled ones set w = max(0, w/Σw - q/Σq) and remove the token
+    from q (the next sibling was drawn without it)."""
+    if q is None:
+        w[rows, tokens] = 0.0
+        return
+    p_j = w[rows] / w[rows].sum(-1, keepdim=True)
+    q_j = q[rows] / q[rows].sum(-1, keepdim=True)
+    w[rows] = torch.clamp(p_j - q_j, min=0.0)
+    q[rows, tokens] = 0.0
 
 
 def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
@@ -43,6 +59,7 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     temps = row_temperatures(params, temperature, batch, dev)
     greedy = temps == 0
     logp = warp_rows(target_logits, params, temps)                     # [B, N+1, V]
+    logq = None if draft.logits is None else warp_rows(draft.logits, params, temps)
     best = logp.argmax(-1)                                              # [B, N+1]
     kids = draft.children()                                             # [B, N+1, K]
     tokens = draft.tokens.long()
@@ -59,6 +76,7 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     for d in range(depth + 1):
         p = logp[rows, node].exp()                                      # [B, V]
         w = p.clone()
+        q = None if logq is None else logq[rows, node].exp()
         chosen = torch.full((batch,), -1, dtype=torch.long, device=dev)
         for r in range(kids.shape[-1]):
             child = kids[rows, node, r]
@@ -67,12 +85,17 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
                 break
             c = child.clamp(min=0)
             x = tokens[rows, c]
-            wx = w[rows, x]
-            ok_sampled = (wx > 0) & (torch.log(u[rows, c]) < torch.log(wx) - torch.log(w.sum(-1)))
+            log_px = torch.log(w[rows, x]) - torch.log(w.sum(-1))
+            log_qx = (torch.zeros_like(log_px) if q is None else
+                      torch.log(q[rows, x]) - torch.log(q.sum(-1)))
+            ok_sampled = (log_px > -torch.inf) & (log_qx > -torch.inf) & (
+                torch.log(u[rows, c]) < log_px - log_qx)
             ok = torch.where(greedy, x == best[rows, node], ok_sampled)
             chosen = torch.where(live & ok, c, chosen)
-            miss = live & ~ok & ~greedy
-            drop_rejected(w, rows[miss], x[miss])
+            # a child q could not have drawn (q(x) = 0: fewer tokens in q's support than
+            # siblings) is rejected without touching the residual
+            miss = live & ~ok & ~greedy & (log_qx > -torch.inf)
+            drop_rejected(w, q, rows[miss], x[miss])
         stop = alive & (chosen < 0)
         if stop.any():
             fix = block_race(w, p, seed, streams[rows, node])

@@ -2,9 +2,12 @@
 
 Each step every active row drafts a static tree: a node at depth d - 1 gets ``branching[d-1]``
 children drawn without replacement from the draft table at the row's position + d - 1 (Gumbel
-top-k with a generator the verifier never sees, so the children are a deterministic proposal
-from the verifier's point of view: different per node and per row). Node i's target logits
-are the table row at position + depth(i). Verify accepts a path and emits one more token.
+top-k with a generator the verifier never sees). ``full_q`` False: they are drawn from the
+unwarped table and handed over as one-hot drafts (a proposal that is deterministic from the
+verifier's point of view, different per node and per row); True: drawn from q = warp(table)
+and the table rows go to verify as each node's draft logits (the sampled-sibling rule). Node
+i's target logits are the table row at position + depth(i). Verify accepts a path and emits
+one more token.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 from exactness.harness import SpecRun
 from flashspec.tree import TreeDraft
 from flashspec.verify import rng
-from flashspec.verify.sampling import SamplingParams
+from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 
 def static_tree(branching: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -34,11 +37,12 @@ def static_tree(branching: tuple[int, ...]) -> tuple[list[int], list[int]]:
 
 
 def draw_children(draft: torch.Tensor, pos: torch.Tensor, parents: list[int], depth: list[int],
-                  gen: torch.Generator) -> torch.Tensor:
-    """Node tokens [R, N + 1]: siblings distinct, drawn ∝ the draft table without replacement."""
+                  gen: torch.Generator, params: SamplingParams | None = None) -> torch.Tensor:
+    """Node tokens [R, N + 1]: siblings distinct, drawn ∝ the draft table (warped by
+    ``params`` when given) without replacement, in draw order."""
     rows, width = pos.shape[0], len(parents)
     tokens = torch.zeros(rows, width, dtype=torch.long)
-    logq = torch.log_softmax(draft.float(), -1)
+    logq = torch.log_softmax(draft.float(), -1) if params is None else warp_logprobs(draft, params)
     for parent in sorted(set(parents[1:])):
         kids = [i for i in range(width) if parents[i] == parent]
         at = pos + depth[kids[0]] - 1                                      # [R]
@@ -50,7 +54,7 @@ def draw_children(draft: torch.Tensor, pos: torch.Tensor, parents: list[int], de
 
 def tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
                             branching: tuple[int, ...], params: SamplingParams, n_rows: int,
-                            length: int, verify_fn, seed: int) -> SpecRun:
+                            length: int, verify_fn, seed: int, full_q: bool = False) -> SpecRun:
     """Tokens [N, length] of ragged multi-step tree speculation with ``verify_fn``."""
     parents, depth = static_tree(branching)
     gen = torch.Generator().manual_seed(seed + 99)
@@ -60,9 +64,10 @@ def tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
     dep = torch.tensor(depth).expand(n_rows, -1)
     while (rows := (lengths < length).nonzero().squeeze(1)).numel():
         pos = lengths[rows]
-        tree = TreeDraft(draw_children(draft, pos, parents, depth, gen), par[:len(rows)],
-                         dep[:len(rows)])
-        logits = target[pos[:, None] + dep[:len(rows)]]
+        at = pos[:, None] + dep[:len(rows)]
+        tree = TreeDraft(draw_children(draft, pos, parents, depth, gen, params if full_q else None),
+                         par[:len(rows)], dep[:len(rows)], draft[at] if full_q else None)
+        logits = target[at]
         out, n_acc, _ = verify_fn(logits, tree, params, rng.call_seed(seed, run.calls))
         run.calls += 1
         j = torch.arange(out.shape[1])[None]
