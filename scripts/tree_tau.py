@@ -7,7 +7,7 @@ On a GPU every engine uses CUDA graphs for what it can (the tree step itself run
 the fused verify; each engine is warmed up once, then tok/s (new tokens / wall) is recorded
 with its ratio to target-only AR of the same run. One JSON line per (cell, method).
 
-    python scripts/tree_tau.py --n 8 --new 96 --out tau.jsonl
+    python scripts/tree_tau.py --n 8 --new 96 --trees dyn15,4x2x1 --chains 15,4 --out tau.jsonl
     python scripts/tree_tau.py --device cuda --dtype bfloat16 --source /dev/shm/smol.gguf
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--seed", type=int, default=2027)
-    ap.add_argument("--tree", default="dyn15")
+    ap.add_argument("--trees", default="dyn15", help="comma-separated tree shapes")
     ap.add_argument("--chains", default="15,4")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -48,8 +48,8 @@ def main() -> None:
     eagle = EagleDrafter.build(DraftContext(model, tok, args.device, args.dtype), "eagle",
                                checkpoint="checkpoints/smollm2_eagle_lr72.safetensors",
                                head=LowRankChoice(rank=72, init="trained"))
-    shape = TreeShape.parse(args.tree)
-    arms = [Arm.of_tree(eagle, shape)] + [Arm(eagle, int(g)) for g in args.chains.split(",")]
+    arms = ([Arm.of_tree(eagle, TreeShape.parse(t)) for t in args.trees.split(",")]
+            + [Arm(eagle, int(g)) for g in args.chains.split(",") if g])
     out = open(args.out, "w") if args.out else None
     eos = [int(tok.eos_token_id)]
     cuda = args.device == "cuda"
