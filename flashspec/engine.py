@@ -244,9 +244,12 @@ class SpecEngine:
     # ----------------------------------------------------------------- one step
     def _plan(self, state: DecodeState, arm: Arm, budgets: list[int]) -> tuple[Arm, list[int]]:
         """The arm with the planner's γ for this step, and the real drafts per row at that γ."""
-        if self.planner is None or arm.drafter is None or arm.gamma == 0 or arm.tree is not None:
+        if self.planner is None or arm.drafter is None or arm.gamma == 0:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
+        if arm.tree is not None:   # all or nothing: the tree or a plain target step
+            return (arm if self.planner.plan_tree(arm.tree.label, live) else Arm(None, 0)), \
+                [0] * state.batch
 
         def avail() -> list[int]:   # asked only when drafting might pay (n-gram: one lookup, kept)
             return arm.drafter.available(state, arm.gamma)
@@ -373,7 +376,9 @@ class SpecEngine:
             for drafter in self.drafters:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
-            if self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
+            if self.planner is not None and arm.tree is not None:
+                self.planner.observe_tree(arm.tree.label, step_s[-1], n_acc, active)
+            elif self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
                 typical = arm.drafter is None or not arm.drafter.catching_up
                 self.planner.observe(arm.gamma, step_s[-1] if typical else None, real,
                                      n_acc, active)

@@ -61,8 +61,7 @@ def summarize(records: Iterable[dict[str, Any]], baseline: str = "ar") -> list[d
                      "tokens": sum(r["n_new_tokens"] for r in rs),
                      **rates(acc, sum(r["n_proposed"] for r in rs), steps),
                      "tps": pooled_rate(rs),
-                     "speedup": statistics.median(ratios) if ratios else None,
-            **{f"alpha_d{d}": a for d, a in enumerate(depth, start=1)}})
+                     "speedup": statistics.median(ratios) if ratios else None})
     return rows
 
 

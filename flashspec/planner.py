@@ -13,6 +13,10 @@ each tried ``explore`` times first). Under static batching a batch ends with its
 the default weights (``objective='makespan'``) count only the rows within γ + 1 tokens of the
 largest remaining budget: speculation is bought where it shortens the batch, and a batch where
 it does not pay decodes as plain AR. ``objective='total'`` counts every live row.
+
+A draft-tree arm (:mod:`flashspec.tree`) is all or nothing: ``plan_tree`` plays the tree when
+its measured tokens per step (decayed mean of accepted + 1 over live rows) over its measured
+step cost (the tree's own width and drafting, kept per shape) beats a plain target step.
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ class WidthPlanner:
     replan: int = 4           # steps a decision is kept (planning costs Python time per row)
     cost: dict[int, float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
+    tree_cost: dict[str, float] = field(default_factory=dict)
+    tree_seen: dict[str, int] = field(default_factory=dict)
+    tree_gain: dict[str, tuple[float, float]] = field(default_factory=dict)  # (accepted, row-steps)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -115,6 +122,25 @@ class WidthPlanner:
             if value > best_value:
                 best, best_value = k, value
         return best
+
+    def plan_tree(self, label: str, remaining: list[int]) -> bool:
+        """Whether this step should verify the tree ``label`` (else a plain target step)."""
+        if self.seen.get(0, 0) < self.explore:
+            return False
+        if self.tree_seen.get(label, 0) < self.explore:
+            return True
+        acc, steps = self.tree_gain.get(label, (0.0, 0.0))
+        live = sum(1 for r in remaining if r > 0)
+        return live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label] > live / self.step_cost(0)
+
+    def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
+        """One tree step: its wall time and the accepted path length of every live row."""
+        old = self.tree_cost.get(label)
+        self.tree_cost[label] = step_s if old is None else old + self.smoothing * (step_s - old)
+        self.tree_seen[label] = self.tree_seen.get(label, 0) + 1
+        acc, steps = self.tree_gain.get(label, (0.0, 0.0))
+        n = [a for a, on in zip(accepted, live) if on]
+        self.tree_gain[label] = (self.decay * acc + sum(n), self.decay * steps + len(n))
 
     def observe(self, k: int, step_s: float | None, real: list[int], accepted: list[int],
                 live: list[bool]) -> None:

@@ -81,7 +81,6 @@ def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
     model, tok = four
     prefix = tok("def add(a, b):\n    return", return_tensors="pt")["input_ids"]
     L = prefix.shape[1] + 1          # committed length: the prefix plus the root token
-    root = torch.tensor([[11]])
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
     depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
     tree = TreeDraft(torch.tensor([[11, 5, 9, 13, 17, 21, 25]]), parents, depth)
@@ -111,7 +110,6 @@ def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
         ids = torch.cat([prefix, tree.tokens[:, [0, 1, 3, 6]]], dim=1)
         model.forward_hidden(ids, torch.arange(ids.shape[1])[None], chain, span=ids.shape[1])
         torch.testing.assert_close(cache.k[:, 0, :, :L + 3], chain.k[:, 0, :, :L + 3], atol=1e-5, rtol=1e-5)
-    assert root.shape == (1, 1)
 
 
 def test_alpha_by_depth() -> None:
@@ -155,3 +153,28 @@ def test_tree_greedy_equals_target_only(smol, spec) -> None:
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.n_accepted for r in out) > 0
         assert all(sum(r.accept_hist) == r.steps for r in out)
+
+
+def test_planner_plays_a_tree_only_while_it_pays() -> None:
+    """plan_tree: AR and the tree are measured first; then the tree is played while its
+    tokens per second (mean accepted + 1 over its step cost) beat a plain step's."""
+    from flashspec.planner import WidthPlanner
+    planner = WidthPlanner(explore=1)
+    assert not planner.plan_tree("dyn4", [5, 5])                 # AR's cost first
+    planner.observe(0, 0.010, [0, 0], [0, 0], [True, True])
+    assert planner.plan_tree("dyn4", [5, 5])                     # then the tree's
+    planner.observe_tree("dyn4", 0.020, [2, 1], [True, True])    # 2.5 tokens per 20 ms
+    assert planner.plan_tree("dyn4", [5, 5])                     # 125/s > 100/s
+    for _ in range(20):
+        planner.observe_tree("dyn4", 0.030, [0, 0], [True, True])  # slower, nothing accepted
+    assert not planner.plan_tree("dyn4", [5, 5])
+
+
+def test_tree_arm_with_planner_keeps_greedy_output(smol) -> None:
+    from flashspec.planner import WidthPlanner
+    model, tok, prompts, eagle = smol
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts[:2], 24).rows
+    out = SpecEngine(model, [Arm.of_tree(eagle, TreeShape.parse("dyn4d4k2"))],
+                     planner=WidthPlanner(explore=1)).generate(prompts[:2], 24).rows
+    assert [r.tokens for r in out] == [r.tokens for r in ar]
+    assert set(a for r in out for a in r.arms) == {0}
