@@ -198,12 +198,14 @@ class SpecEngine:
         return state
 
     def _graph_drafters(self, batch: int) -> None:
-        """Model drafters draft through CUDA graphs too (static buffers on a CPU), captured
-        for every γ' up to their arms' largest γ (the planner may verify fewer drafts)."""
+        """Model drafters draft chains through CUDA graphs too (static buffers on a CPU),
+        captured for every γ' up to their chain arms' largest γ (the planner may verify fewer
+        drafts); the tree step runs eagerly, so tree arms capture nothing."""
         capture = self.target.device.type == "cuda"
         for drafter in self.drafters:
-            gamma = max(a.gamma for a in self.arms if a.drafter is drafter)
-            drafter.prepare_graphs(batch, gamma, self.params, self.target.device, capture)
+            gammas = [a.gamma for a in self.arms if a.drafter is drafter and a.tree is None]
+            if gammas:
+                drafter.prepare_graphs(batch, max(gammas), self.params, self.target.device, capture)
 
     def _resident_arms(self) -> list[tuple[Drafter | None, int]]:
         """Every (drafter, γ') step the resident loop may launch (the planner: any γ' <= γ)."""
@@ -233,9 +235,10 @@ class SpecEngine:
         return self._retired_capture_s + runner + drafters
 
     def _step_widths(self) -> dict[int, bool]:
-        """Verify widths the arms can produce -> whether a full-q (draft logits) step occurs."""
+        """Verify widths the chain arms can produce -> whether a full-q (draft logits) step
+        occurs (a tree step does not run through the step runner)."""
         widths: dict[int, bool] = {1: False}
-        for arm in self.arms:
+        for arm in (a for a in self.arms if a.tree is None):
             one_hot = arm.drafter is None or arm.drafter.one_hot
             for w in range(2, arm.gamma + 2):
                 widths[w] = widths.get(w, False) or not one_hot

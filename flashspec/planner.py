@@ -123,6 +123,12 @@ class WidthPlanner:
                 best, best_value = k, value
         return best
 
+    def _measured(self, cost: dict, seen: dict, key, step_s: float) -> None:
+        """A step time into ``cost[key]`` (exponential average) and its count into ``seen``."""
+        old = cost.get(key)
+        cost[key] = step_s if old is None else old + self.smoothing * (step_s - old)
+        seen[key] = seen.get(key, 0) + 1
+
     def plan_tree(self, label: str, remaining: list[int]) -> bool:
         """Whether this step should verify the tree ``label`` (else a plain target step)."""
         if self.seen.get(0, 0) < self.explore:
@@ -135,9 +141,7 @@ class WidthPlanner:
 
     def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
         """One tree step: its wall time and the accepted path length of every live row."""
-        old = self.tree_cost.get(label)
-        self.tree_cost[label] = step_s if old is None else old + self.smoothing * (step_s - old)
-        self.tree_seen[label] = self.tree_seen.get(label, 0) + 1
+        self._measured(self.tree_cost, self.tree_seen, label, step_s)
         acc, steps = self.tree_gain.get(label, (0.0, 0.0))
         n = [a for a, on in zip(accepted, live) if on]
         self.tree_gain[label] = (self.decay * acc + sum(n), self.decay * steps + len(n))
@@ -158,9 +162,7 @@ class WidthPlanner:
         """Several steps of width k at once (the resident loop's chunks): the mean step time
         and, per row, accepted drafts and acceptance trials summed over those steps."""
         if step_s is not None:
-            old = self.cost.get(k)
-            self.cost[k] = step_s if old is None else old + self.smoothing * (step_s - old)
-            self.seen[k] = self.seen.get(k, 0) + 1
+            self._measured(self.cost, self.seen, k, step_s)
         step_succ = step_trials = 0
         for i, (hit, tried) in enumerate(zip(hits, tries)):
             if not tried:

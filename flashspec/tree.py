@@ -7,8 +7,9 @@ node i sits at RoPE position ``L - 1 + depth[i]`` and in cache slot ``L - 1 + i`
 committed length), attends the committed prefix and its own ancestors, and after verification
 the accepted path's K/V entries move to slots ``L .. L + n - 1`` (no recomputation).
 
-Two shapes (:class:`TreeShape`): a static one (``4x2x1``: every node at depth d gets the top
-``k_d`` draft tokens as children) and a dynamic one (``dyn15``: EAGLE-2's expansion, the top-k
+Two shapes (:class:`TreeShape`): a static one (``4x2x1``: every node at depth d gets ``k_d``
+children: the top draft tokens when greedy, draws without replacement when sampling) and a
+dynamic one (``dyn15``: EAGLE-2's expansion, the top-k
 nodes of each depth by cumulative draft log-probability are expanded, then the N best nodes of
 everything drafted are kept).
 """
