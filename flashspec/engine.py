@@ -30,7 +30,6 @@ from flashspec.tree import TreeShape, tree_mask, tree_positions
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
-from flashspec.verify.tree import verify_tree
 
 
 @dataclass(frozen=True)
@@ -113,11 +112,15 @@ class SpecEngine:
                  resident: bool = False, chunk: int = 2) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
+        self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions
         for arm in arms:
             if arm.gamma < 0 or (arm.drafter is not None and arm.gamma == 0):
                 raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
             if arm.tree is not None and not (arm.drafter is not None and arm.drafter.tree):
                 raise FlashSpecError(f"arm {arm.name}: drafter cannot draft trees")
+            if arm.tree is not None and self.backend_impl.verify_tree is None:
+                raise FlashSpecError(f"arm {arm.name}: verify backend "
+                                     f"{self.backend_impl.name!r} cannot verify trees")
             if arm.tree is not None and resident:
                 raise FlashSpecError(f"arm {arm.name}: draft trees do not run in the resident "
                                      "loop yet; use hardware.resident_loop=false")
@@ -133,7 +136,6 @@ class SpecEngine:
         if adaptive and self.reward_kind != "tps" and any(a.drafter is None for a in self.arms):
             raise FlashSpecError("an 'ar' arm (no speculation) proposes nothing, so only a policy "
                                  "rewarded by tokens per second (reward: tps) can score it")
-        self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions
         self.verify = self.backend_impl.verify
         self.seed, self.calls = seed, 0
         self.eos_ids = set(eos_ids)
@@ -291,7 +293,7 @@ class SpecEngine:
     def _tree_step(self, state: DecodeState, arm: Arm, t0: float
                    ) -> tuple[list[list[int]], list[int], float]:
         """Draft a tree, score all its nodes in one target forward (tree mask, own slots),
-        verify (:func:`flashspec.verify.tree.verify_tree`) and move the accepted path's K/V into
+        verify (the backend's ``verify_tree``) and move the accepted path's K/V into
         place. Returns (out rows, n_accepted, drafting seconds)."""
         tree = arm.drafter.propose_tree(state, arm.tree, self.params, self.generator)
         t_draft = time.perf_counter() - t0
@@ -303,14 +305,20 @@ class SpecEngine:
                                             tree=(slots, mask))
         seed = call_seed(self.seed, self.calls)
         self.calls += 1
-        out, n_acc, path = verify_tree(self.target.logits(hidden), tree, self.params, seed)
+        out, n_acc, path = self.backend_impl.verify_tree(self.target.logits(hidden), tree,
+                                                         self.params, seed,
+                                                         depth=arm.tree.max_depth)
         dst = lengths[:, None] + torch.arange(path.shape[1], device=state.device)
         self.cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
         cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
         state.set_hidden(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])),
                          [n - 1 for n in state.lengths], None)
         host = torch.cat([out, n_acc[:, None]], dim=1).tolist()         # the one host read
-        return [row[:-1] for row in host], [int(row[-1]) for row in host], t_draft
+        counts = [int(row[-1]) for row in host]
+        if min(counts) < 0:
+            raise FloatingPointError("tree verify rejected a row: NaN/inf logits or an "
+                                     "out-of-range draft token; refusing to emit tokens")
+        return [row[:-1] for row in host], counts, t_draft
 
     def _commit(self, state: DecodeState, out: list[list[int]], n_acc: list[int],
                 budgets: list[int]) -> list[int]:

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from flashspec.options import KernelOptions
 from flashspec.verify import SamplingParams, get_backend, reference, rng
 from flashspec.verify import triton_backend as tb
+from flashspec.verify import triton_host
 from flashspec.verify import triton_kernels as K
 
 import triton
@@ -233,7 +234,7 @@ def test_top_p_falls_back_with_logged_reason(caplog):
     gen = torch.Generator().manual_seed(4)
     x, drafts, q = make_case(gen, 3, 2, 40, 1.0, True, torch.float32, 1.0, 0.0, False)
     params = SamplingParams(temperature=1.0, top_p=0.9)
-    tb._LOGGED.discard("top-p is not fused")
+    triton_host.LOGGED.discard("top-p is not fused")
     with caplog.at_level(logging.WARNING, logger="flashspec.verify.triton"):
         a = get_backend("triton")(x, drafts, q, params, 1)
         get_backend("triton")(x, drafts, q, params, 1)

@@ -3,7 +3,8 @@
 A backend's ``verify`` has the reference's contract (:func:`flashspec.verify.reference.verify`):
 ``verify(target_logits [B, γ+1, V], draft_tokens [B, γ], draft_logits [B, γ, V] | None,
 params, seed=0, temperature=None) -> (out_tokens [B, γ+1] padded with -1, n_accepted [B])``,
-and every backend returns the same tokens for the same inputs and seed. Backends are built
+and every backend returns the same tokens for the same inputs and seed. Its ``verify_tree`` has
+the tree reference's contract (:func:`flashspec.verify.tree.verify_tree`). Backends are built
 by a factory ``make(options: KernelOptions) -> Backend`` and looked up by name in
 :mod:`flashspec.verify.backends`.
 """
@@ -28,6 +29,8 @@ class Backend:
         captured CUDA graph with the target's forward.
     graph_safe_warps: the same holds with top-k/top-p warps set.
     dtypes: logits dtypes it computes natively (others may fall back to the reference).
+    verify_tree: draft-tree verification ``(target_logits [B, N+1, V], TreeDraft, params,
+        seed, temperature, depth) -> (out [B, D+1], n_accepted [B], path [B, D])``.
     """
 
     name: str
@@ -35,6 +38,7 @@ class Backend:
     graph_safe: bool = False
     graph_safe_warps: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    verify_tree: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         return self.verify(*args, **kwargs)

@@ -1,6 +1,6 @@
 """Registry of verify backends: name -> factory ``make(options) -> Backend``.
 
-Built in: ``torch`` (:mod:`flashspec.verify.reference`, readable and exact) and ``triton``
+Built in: ``torch`` (:mod:`flashspec.verify.torch_backend`: the readable, exact references) and ``triton``
 (:mod:`flashspec.verify.triton_backend`, fused kernels; imported only when asked for, so the
 torch path never imports triton). A new backend lives in its own module, which registers it
 (``register_backend("mine", make_backend)`` at import) or is named by the config as
@@ -19,7 +19,7 @@ Factory = Callable[[KernelOptions], Backend]
 
 # name -> factory, or "module:attribute" of one (imported on first use)
 _REGISTRY: dict[str, Factory | str] = {
-    "torch": "flashspec.verify.reference:make_backend",
+    "torch": "flashspec.verify.torch_backend:make_backend",
     "triton": "flashspec.verify.triton_backend:make_backend",
 }
 

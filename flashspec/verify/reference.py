@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flashspec.options import KernelOptions
 from flashspec.verify import rng
-from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams, check_finite, warp_logprobs
 
 NEG_INF = float("-inf")
@@ -139,9 +137,3 @@ def greedy_verify(logp: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch
     n_acc = accept.int().cumprod(dim=1).sum(dim=1)
     return assemble(draft_tokens, n_acc, best), n_acc
 
-
-def make_backend(options: KernelOptions | None = None) -> Backend:
-    """The reference as the ``torch`` backend (it has no kernel options). Not graph safe: it
-    raises on NaN/inf logits and invalid rows, which reads the device on the host."""
-    return Backend("torch", verify, graph_safe=False, graph_safe_warps=False,
-                   dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))

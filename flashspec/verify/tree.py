@@ -47,12 +47,13 @@ def drop_rejected(w: torch.Tensor, q: torch.Tensor | None, rows: torch.Tensor,
 
 
 def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
-                seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
+                depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify trees against the target's logits [B, N + 1, V] (node i's next-token logits).
 
     Returns (out_tokens [B, D + 1] padded with -1, n_accepted [B], path [B, D]: the accepted
-    node ids, -1 padded), D the deepest node of the batch."""
+    node ids, -1 padded); D is ``depth`` (at least the deepest node: the tree shape's depth),
+    or the deepest node of the batch when not given."""
     check_finite(target_logits, "target logits")
     batch, width, vocab = target_logits.shape
     dev = target_logits.device
@@ -63,7 +64,7 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     best = logp.argmax(-1)                                              # [B, N+1]
     kids = draft.children()                                             # [B, N+1, K]
     tokens = draft.tokens.long()
-    depth = int(draft.depth.max())
+    depth = int(draft.depth.max()) if depth is None else depth
     rows = torch.arange(batch, device=dev)
     streams = rows[:, None] * width + torch.arange(width, device=dev)   # [B, N+1]
     u = rng.uniform(seed, streams, torch.tensor(vocab, device=dev))     # accept test of node i

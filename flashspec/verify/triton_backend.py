@@ -28,7 +28,6 @@ the cached workspace and counters).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass, field
 
@@ -39,12 +38,10 @@ from flashspec.verify import reference
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
-
-log = logging.getLogger("flashspec.verify.triton")
+from flashspec.verify import triton_tree
+from flashspec.verify.triton_host import DTYPES, log_once, next_pow2, seed_args, unit_rows
 
 MAX_TOPK = 256
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_LOGGED: set[str] = set()
 INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
 FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
 
@@ -78,16 +75,11 @@ class _Slot:
 
 
 _SLOTS: dict[tuple, _Slot] = {}
-_DUMMY_SEED: dict[torch.device, torch.Tensor] = {}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _bucket(n: int) -> int:
     """Padded chunk count of the merge loads: few distinct values, so few compilations."""
-    return _next_pow2(n) if INTERPRET else max(64, _next_pow2(n))
+    return next_pow2(n) if INTERPRET else max(64, next_pow2(n))
 
 
 def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
@@ -97,8 +89,8 @@ def plan(batch: int, gamma: int, vocab: int, interpret: bool = INTERPRET,
     race blocks) likewise; fused merges only at small batch. Interpreter: few, big programs."""
     rb = reference.RACE_BLOCK
     if interpret:
-        chunk = min(_next_pow2(vocab), 32768)
-        rows = max(1, min(_next_pow2(batch), (1 << 20) // max(chunk, rb)))
+        chunk = min(next_pow2(vocab), 32768)
+        rows = max(1, min(next_pow2(batch), (1 << 20) // max(chunk, rb)))
         return Plan(rows, chunk, max(chunk, rb), 4, 4)
     chunk = _chunk(batch * (gamma + 1), vocab, (8192, 4096, 2048), 1024, 8 * n_sm)
     rchunk = _chunk(batch, vocab, (8192, 4096, 2048), rb, 8 * n_sm)
@@ -120,19 +112,13 @@ def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
     if 0 < params.top_k < vocab and target_logits.is_cuda and not options.fuse_topk_on_cuda:
         return "fused top-k is disabled on CUDA (mismatched the reference on an H200)"
     for t in (target_logits, draft_logits):
-        if t is not None and t.dtype not in _DTYPES:
+        if t is not None and t.dtype not in DTYPES:
             return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
     if vocab >= 1 << 24:
         return "vocabularies of 2^24 or more tokens are not fused"
     if target_logits.device.type == "cpu" and not INTERPRET:
         return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
     return None
-
-
-def _log_once(reason: str) -> None:
-    if reason not in _LOGGED:
-        _LOGGED.add(reason)
-        log.warning("triton verify falls back to the torch reference: %s", reason)
 
 
 def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -147,22 +133,6 @@ def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
         raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be [B, γ, V]")
 
 
-def _seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """(int64 seed tensor, int32 seed, seed_mode) without reading a device tensor on the host;
-    seed_mode 1 reads the tensor, 0 the int (the tensor is then a cached dummy)."""
-    if isinstance(seed, torch.Tensor):
-        if seed.numel() != 1:
-            raise ValueError("seed tensor must hold one element")
-        if seed.device != device:
-            seed = seed.to(device)
-        return seed.to(torch.int64), 0, 1
-    s = int(seed) & 0xFFFFFFFF
-    dummy = _DUMMY_SEED.get(device)
-    if dummy is None:
-        dummy = _DUMMY_SEED[device] = torch.zeros((), dtype=torch.int64, device=device)
-    return dummy, s - (1 << 32) if s >= 1 << 31 else s, 0
-
-
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
@@ -170,7 +140,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64)."""
     reason = _fallback_reason(target_logits, draft_logits, params, options)
     if reason is not None:
-        _log_once(reason)
+        log_once(reason)
         return reference.verify(target_logits, draft_tokens, draft_logits, params, seed,
                                 temperature=temperature)
     _check(target_logits, draft_tokens, draft_logits)
@@ -186,7 +156,7 @@ def make_backend(options: KernelOptions = DEFAULT) -> Backend:
     """The ``triton`` backend with ``options``. Graph safe without top-k/top-p (no host sync on
     CUDA); warped calls may fall back to the reference, so those are not."""
     return Backend("triton", functools.partial(verify, options=options), graph_safe=True,
-                   graph_safe_warps=False, dtypes=_DTYPES)
+                   graph_safe_warps=False, dtypes=DTYPES, verify_tree=triton_tree.verify_tree)
 
 
 def _resolve_fused(fused: bool | None, p: Plan, options: KernelOptions = DEFAULT) -> bool:
@@ -195,13 +165,6 @@ def _resolve_fused(fused: bool | None, p: Plan, options: KernelOptions = DEFAULT
         if choice is not None:
             return choice
     return True
-
-
-def _unit_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, L, V] with unit inner strides (batch stride free); copies only when needed."""
-    if x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1):
-        return x
-    return x.contiguous()
 
 
 def _workspace_size(batch: int, gamma: int, nc: int, nb: int, nct: int, kp2: int) -> int:
@@ -221,7 +184,7 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
                          f"{reference.RACE_BLOCK}")
     nc, ncr = -(-vocab // p.chunk), -(-vocab // p.rchunk)
     nb = -(-vocab // reference.RACE_BLOCK)
-    kp2 = _next_pow2(top_k) if top_k else 1
+    kp2 = next_pow2(top_k) if top_k else 1
     nct = -(-vocab // max(p.chunk, kp2)) if top_k else 0
     n_groups = -(-batch // p.rows)
     ws = torch.empty(_workspace_size(batch, gamma, nc, nb, nct, kp2), dtype=torch.float32,
@@ -231,11 +194,11 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
     fuse_finish = fused or fuse_finish
     slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
-        common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1),
+        common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
-            common, NC_P2=_bucket(nc), G_P2=_next_pow2(gamma + 1), **flags,
+            common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1), **flags,
             INTERPRET=INTERPRET), 4))
     slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
         common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), **flags, FUSED=fuse_finish,
@@ -290,16 +253,16 @@ def launch(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     out, nacc = buf[:batch * (gamma + 1)].view(batch, gamma + 1), buf[batch * (gamma + 1):]
     if batch == 0:
         return out, nacc
-    tgt = _unit_rows(target_logits)
+    tgt = unit_rows(target_logits)
     has_q = draft_logits is not None
-    drf = _unit_rows(draft_logits) if has_q else tgt
+    drf = unit_rows(draft_logits) if has_q else tgt
     tok = draft_tokens if draft_tokens.is_contiguous() else draft_tokens.contiguous()
     temp_ptr, temp = tgt, float(params.temperature)
     if temperature is not None:
         temp_ptr = temperature.reshape(batch).contiguous()
         if temp_ptr.device != device:
             temp_ptr = temp_ptr.to(device)
-    seed_ptr, seed_i, seed_mode = _seed_args(seed, device)
+    seed_ptr, seed_i, seed_mode = seed_args(seed, device)
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     direct = (options.direct_launch and not INTERPRET and device.type == "cuda"
               and _aligned(tgt, drf, tok, temp_ptr, seed_ptr))
@@ -335,10 +298,10 @@ def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, tem
                  ws: torch.Tensor, batch: int, gamma: int, vocab: int, nc: int, k: int,
                  row_temp: bool) -> None:
     """Top-k thresholds (k-th largest of x/T) of every target and draft row-position."""
-    kp2 = _next_pow2(k)
+    kp2 = next_pow2(k)
     block = max(p.chunk, kp2)
     nct = -(-vocab // block)
-    nt_p2 = _next_pow2(nct * kp2)
+    nt_p2 = next_pow2(nct * kp2)
     rows = p.rows if INTERPRET else 1
     for is_q, src, npos in ((False, tgt, gamma + 1), (True, drf, gamma)):
         if is_q and not has_q:

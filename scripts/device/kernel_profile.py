@@ -124,7 +124,7 @@ def profile_shape(shape: tuple[int, int, int], plans: list[tb.Plan], iters: int,
         same = all(torch.equal(r, o) for r, o in zip(ref, got))
         key = next(k for k in tb._SLOTS if k[1:4] == (b, g, v) and k[-2] == p)
         slot = tb._SLOTS[key]
-        args = (x, x.stride(0), q, q.stride(0), tok, x, 1.0, *tb._seed_args(7, dev), slot.ws)
+        args = (x, x.stride(0), q, q.stride(0), tok, x, 1.0, *tb.seed_args(7, dev), slot.ws)
         tail = (torch.empty(b * (g + 2), dtype=torch.int64, device=dev), b, v)
         kern = per_kernel(slot, args, tail, flush, iters)
         whole = timed(lambda: tb.launch(x, tok, q, params, 7, geometry=p), flush, iters)
