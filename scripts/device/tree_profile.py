@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Where a tree step's time goes (GPU): per-phase wall time of the eager tree step and the
+host syncs it makes, next to a chain step of the same drafter.
+
+Each phase (drafting, ancestors + mask, target forward, verify, K/V compaction, the rest) is
+timed with a device synchronisation on both sides, so the phases add up to more than an
+unsynchronised step; the point is their proportions. Then one generation runs under
+torch.profiler and the ops with the most self CPU time (and the ``aten::item`` /
+``aten::_local_scalar_dense`` count: host reads of device values) are printed.
+
+    python scripts/device/tree_profile.py --source /dev/shm/smol.gguf --tree dyn15d8k3
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import time
+
+import torch
+
+from flashspec import engine as engine_mod
+from flashspec.data import chat_ids, load_prompts
+from flashspec.drafters import DraftContext, EagleDrafter
+from flashspec.engine import Arm, SpecEngine
+from flashspec.heads import LowRankChoice
+from flashspec.models import load_model
+from flashspec.models.fused import fuse_model
+from flashspec.tree import TreeShape
+from flashspec.verify import SamplingParams
+
+
+def timed(table: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        table[name] += time.perf_counter() - t
+        return out
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", default="smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tree", default="dyn15d8k3")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    args = ap.parse_args()
+    model, tok = load_model(args.source, dtype=args.dtype, device="cuda")
+    fuse_model(model)
+    eagle = EagleDrafter.build(DraftContext(model, tok, "cuda", args.dtype), "eagle",
+                               checkpoint="checkpoints/smollm2_eagle_lr72.safetensors",
+                               head=LowRankChoice(rank=72, init="trained"))
+    prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
+    params = SamplingParams(args.temperature)
+    eos = [int(tok.eos_token_id)]
+    for arm in (Arm.of_tree(eagle, TreeShape.parse(args.tree)), Arm(eagle, 4), Arm(None, 0)):
+        engine = SpecEngine(model, [arm], params=params, eos_ids=eos, graphs=True,
+                            backend="triton")
+        engine.generate([prompt], 16, seed=1)
+        res = engine.generate([prompt], args.new, seed=2)
+        row = res.rows[0]
+        print(f"{arm.name}: {len(row.tokens) / res.wall_s:.1f} tok/s, {row.steps} steps, "
+              f"{1e3 * res.wall_s / row.steps:.2f} ms/step", flush=True)
+        if arm.tree is None:
+            continue
+        phases: dict = collections.defaultdict(float)
+        saved = (eagle.propose_tree, model.forward_hidden, engine.backend_impl,
+                 engine.cache.move, engine_mod.tree_mask)
+        eagle.propose_tree = timed(phases, "draft", eagle.propose_tree)
+        model.forward_hidden = timed(phases, "target forward", model.forward_hidden)
+        impl = engine.backend_impl
+        engine.backend_impl = dataclasses.replace(impl, verify_tree=timed(phases, "verify",
+                                                                          impl.verify_tree))
+        engine.cache.move = timed(phases, "kv move", engine.cache.move)
+        engine_mod.tree_mask = timed(phases, "ancestors+mask", engine_mod.tree_mask)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = engine.generate([prompt], args.new, seed=2)
+        wall = time.perf_counter() - t
+        steps = res.rows[0].steps
+        for name, s in sorted(phases.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:16s} {1e3 * s / steps:7.2f} ms/step", flush=True)
+        print(f"  {'total (synced)':16s} {1e3 * wall / steps:7.2f} ms/step", flush=True)
+        (eagle.propose_tree, model.forward_hidden, engine.backend_impl, engine.cache.move,
+         engine_mod.tree_mask) = saved
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.generate([prompt], 32, seed=3)
+        ev = prof.key_averages()
+        syncs = sum(e.count for e in ev if e.key in ("aten::item", "aten::_local_scalar_dense"))
+        print(f"  host reads (aten::item) in 32 tokens: {syncs}", flush=True)
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
+if __name__ == "__main__":
+    main()
