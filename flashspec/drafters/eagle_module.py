@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from flashspec.errors import FlashSpecError
-from flashspec.models.llama import Block, KVCache, Linear, LlamaShape, RMSNorm
+from flashspec.models.llama import MASKED_SDPA, Block, KVCache, Linear, LlamaShape, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,9 @@ class EagleModule(nn.Module):
             features, embeds = self.feat_norm(features), self.embed_norm(embeds)
         x = self.fc(torch.cat([features, embeds], dim=-1))
         span = positions.shape[1] if span is None else span
-        for block in self.layers:
-            x = block(x, rope, positions, cache, mask, span)
+        with sdpa_kernel(MASKED_SDPA):
+            for block in self.layers:
+                x = block(x, rope, positions, cache, mask, span)
         return self.norm(x) if self.norm is not None else x
 
 

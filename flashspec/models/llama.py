@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashspec.matmul import linear
 
@@ -104,6 +105,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# SDPA backends of the reference blocks' masked attention (entered once per forward by
+# run_layers and the EAGLE module). cuDNN is left out: it builds a plan for each new
+# (queries, keys) shape, ~1 ms of host time per layer call, and eager steps change the key span
+# every step (on an H200 a 16-node tree step spent 30 ms in the target's 30 layers).
+MASKED_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 class Attention(nn.Module):
@@ -248,8 +256,9 @@ class LlamaLM(nn.Module):
         slots, mask = tree if tree is not None else (
             positions, self.attention_mask(positions, span, cache is not None))
         rope = self.rope(positions)
-        for i in (range(self.shape.num_layers) if layers is None else layers):
-            x = self.layers[i](x, rope, slots, cache, mask, span)
+        with sdpa_kernel(MASKED_SDPA):
+            for i in (range(self.shape.num_layers) if layers is None else layers):
+                x = self.layers[i](x, rope, slots, cache, mask, span)
         return x
 
     def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
