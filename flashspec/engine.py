@@ -26,7 +26,7 @@ from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
-from flashspec.tree import TreeShape, tree_mask, tree_positions
+from flashspec.tree import TreeShape, tree_attention
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
@@ -298,11 +298,10 @@ class SpecEngine:
         tree = arm.drafter.propose_tree(state, arm.tree, self.params, self.generator)
         t_draft = time.perf_counter() - t0
         lengths = torch.tensor(state.lengths, device=state.device)
-        positions, slots = tree_positions(tree, lengths)
         span = max(state.lengths) + tree.size
-        mask = tree_mask(tree.ancestors(), lengths, span)
+        positions, attention = tree_attention(tree, lengths, span)
         hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, span=span,
-                                            tree=(slots, mask))
+                                            tree=attention)
         seed = call_seed(self.seed, self.calls)
         self.calls += 1
         out, n_acc, path = self.backend_impl.verify_tree(self.target.logits(hidden), tree,

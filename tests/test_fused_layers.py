@@ -258,3 +258,40 @@ def test_head_dim_scale_is_inverse_sqrt():
     s = torch.einsum("hd,hsd->hs", q[0, 0], k[0].repeat_interleave(3, 0)[:, :4]) / math.sqrt(D)
     want = torch.einsum("hs,hsd->hd", s.softmax(-1), v[0].repeat_interleave(3, 0)[:, :4])
     torch.testing.assert_close(got[0, 0], want, **TOL)
+
+
+@pytest.mark.parametrize("lengths", [(9, 9), (7, 12)])
+def test_fused_tree_step_matches_reference(lengths):
+    """A draft-tree step (RoPE by depth, own slots, ancestor bitmask attention) through the
+    fused layers equals the reference layers under the tree mask: hidden states and the cache,
+    ragged rows, a tree of 9 nodes with different shapes per row."""
+    from flashspec.tree import TreeDraft, tree_attention
+    model = fused.fuse_model(tiny_model())
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
+    depth = torch.zeros_like(parents)
+    for i in range(1, parents.shape[1]):
+        depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
+    gen = torch.Generator().manual_seed(4)
+    tree = TreeDraft(torch.randint(0, 96, parents.shape, generator=gen), parents, depth)
+    lens = torch.tensor(lengths)
+    span = int(lens.max()) + tree.size
+    outs, caches = [], []
+    for use_fused in (False, True):
+        model.decode_layers = fused.LAYERS if use_fused else None
+        cache = model.new_cache(2, CAP)
+        prefix = torch.randint(0, 96, (2, int(lens.max()) - 1), generator=torch.Generator().manual_seed(5))
+        with torch.inference_mode():
+            model.decode_layers = None       # the same prefix cache for both
+            model.forward_hidden(prefix, torch.arange(prefix.shape[1]).expand(2, -1), cache,
+                                 span=prefix.shape[1])
+            model.decode_layers = fused.LAYERS if use_fused else None
+            positions, attention = tree_attention(tree, lens, span)
+            assert attention.bits is not None
+            outs.append(model.forward_hidden(tree.tokens, positions, cache, span=span,
+                                             tree=attention))
+        caches.append(cache)
+    model.decode_layers = None
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    for k in ("k", "v"):
+        torch.testing.assert_close(getattr(caches[1], k), getattr(caches[0], k), rtol=1e-4,
+                                   atol=1e-4)

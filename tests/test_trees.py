@@ -15,7 +15,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
-from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_mask, tree_positions
+from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_attention
 from flashspec.verify import SamplingParams
 from test_engine import TEXTS, small_model_dir
 from test_exactness_engine import EAGLE
@@ -88,10 +88,10 @@ def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
     with torch.inference_mode():
         model.forward_hidden(prefix, torch.arange(L - 1)[None], cache, span=L - 1)
         lengths = torch.tensor([L])
-        pos, slots = tree_positions(tree, lengths)
         span = L + tree.size
-        logits = model.logits(model.forward_hidden(
-            tree.tokens, pos, cache, span=span, tree=(slots, tree_mask(tree.ancestors(), lengths, span))))
+        pos, attention = tree_attention(tree, lengths, span)
+        logits = model.logits(model.forward_hidden(tree.tokens, pos, cache, span=span,
+                                                   tree=attention))
         for node in range(tree.size + 1):
             path, n = [], node
             while n >= 0:

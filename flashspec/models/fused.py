@@ -42,6 +42,7 @@ from triton.language.extra import libdevice
 from flashspec.matmul import linear
 from flashspec.models.llama import LlamaLM, Linear
 from flashspec.options import interpreted
+from flashspec.tree import TreeAttention
 
 MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
 log = logging.getLogger(__name__)
@@ -98,13 +99,14 @@ def _rotate(x_ptr, o_ptr, o_hs, heads, cos, sin, j, jmask, ok,
 
 
 @triton.jit
-def _rope_cache_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, n, capacity,
-                       rope_scale, s_cb, s_ch, s_cs,
+def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, n,
+                       capacity, rope_scale, s_cb, s_ch, s_cs,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       SLOTS: tl.constexpr, INTERPRET: tl.constexpr):
     """One token (b, t): q -> q buffer [B, n, H, D] rotated; k rotated and v copied into the
-    cache at slot = position (cache strides s_cb, s_ch, s_cs; unit stride along D)."""
+    cache at slot = position, or at slot_ptr[b, t] with SLOTS (draft-tree nodes: RoPE by depth,
+    own slots) (cache strides s_cb, s_ch, s_cs; unit stride along D)."""
     tok = tl.program_id(0).to(tl.int64)
     b = tok // n
     DT = q_ptr.dtype.element_ty
@@ -116,9 +118,12 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, n,
     cos = (cos * rope_scale).to(DT).to(tl.float32)[None, :]
     sin = (sin * rope_scale).to(DT).to(tl.float32)[None, :]
     row = qkv_ptr + tok * ((H + 2 * HKV) * D)
-    ok = (pos >= 0) & (pos < capacity)      # an out-of-range position writes nothing
+    slot = pos
+    if SLOTS:
+        slot = tl.load(slot_ptr + tok)
+    ok = (slot >= 0) & (slot < capacity)    # an out-of-range slot writes nothing
     _rotate(row, q_ptr + tok * (H * D), D, H, cos, sin, j, jmask, ok, HALF, BLOCK_HQ)
-    kvoff = b * s_cb + pos * s_cs
+    kvoff = b * s_cb + slot * s_cs
     _rotate(row + H * D, kc_ptr + kvoff, s_ch, HKV, cos, sin, j, jmask, ok, HALF, BLOCK_HK)
     # v: a copy, both halves (head stride D in the qkv row, s_ch in the cache)
     h = tl.arange(0, BLOCK_HK)
@@ -130,14 +135,17 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, kc_ptr, vc_ptr, n,
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, n, capacity, scale,
-                             s_kb, s_kh, s_ks,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o_ptr, n,
+                             capacity, scale, s_kb, s_kh, s_ks,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             TREE: tl.constexpr, IEEE: tl.constexpr):
     """Program (b * HKV + kv head, query block): the G = H / HKV query heads of one kv head for
     all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
-    a query at position p sees slots <= p. q and o are [B, n, H, D] contiguous."""
+    a query at position p sees slots <= p. With TREE, pos_ptr holds each query's own slot and
+    the query sees the slots below base_ptr[b] (the committed prefix) and tree slot base + j
+    where bit j of bits_ptr[b, t] is set (its ancestors and itself).
+    q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -147,6 +155,11 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, n, capacity, s
     valid = t < n
     pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
     hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
+    bits = tl.zeros([BLOCK_M], tl.int64)
+    base = 0
+    if TREE:
+        bits = tl.load(bits_ptr + b * n + t, mask=valid, other=0)
+        base = tl.load(base_ptr + b)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D + d[None, :]
@@ -164,7 +177,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, n, capacity, s
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(s[None, :] <= pos[:, None], scores * scale, float("-inf"))
+        seen = s[None, :] <= pos[:, None]
+        if TREE:
+            rel = s[None, :] - base
+            bit = (bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+            seen = seen & ((rel < 0) | ((rel < 64) & (bit != 0)))
+        scores = tl.where(seen, scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
@@ -217,26 +235,32 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 
 def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
-                     heads: int, kv_heads: int) -> torch.Tensor:
+                     heads: int, kv_heads: int, slots: torch.Tensor | None = None) -> torch.Tensor:
     """Rotated queries [B, n, H, D] from qkv [B, n, (H + 2 H_kv) D]; rotated keys and the values
-    go to ``k_cache``/``v_cache`` [B, H_kv, capacity, D] at slot = position ([B, n] int64)."""
+    go to ``k_cache``/``v_cache`` [B, H_kv, capacity, D] at slot = position ([B, n] int64), or
+    at ``slots`` [B, n] when given."""
     b, n, width = qkv.shape
     qkv = qkv.contiguous()
     head_dim = width // (heads + 2 * kv_heads)
     q = torch.empty(b, n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
     _rope_cache_kernel[(b * n,)](
-        qkv, positions, inv_freq, q, k_cache, v_cache, n, k_cache.shape[2], float(rope_scale),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        qkv, positions, positions if slots is None else slots, inv_freq, q, k_cache, v_cache, n,
+        k_cache.shape[2], float(rope_scale), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2),
         H=heads, HKV=kv_heads, D=head_dim, HALF=half, BLOCK_HQ=_pow2(heads), BLOCK_HK=_pow2(kv_heads),
-        BLOCK_HALF=_pow2(half), INTERPRET=INTERPRET, num_warps=1 if heads * head_dim <= 1024 else 4)
+        BLOCK_HALF=_pow2(half), SLOTS=slots is not None, INTERPRET=INTERPRET,
+        num_warps=1 if heads * head_dim <= 1024 else 4)
     return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, block_m: int | None = None,
+                     tree: TreeAttention | None = None) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
-    a query at position p sees slots 0..p of its own row. Returns [B, n, H, D]."""
+    a query at position p sees slots 0..p of its own row; with ``tree``
+    (:class:`flashspec.tree.TreeAttention`, at most 64 tree slots) a node sees the committed
+    prefix, its ancestors and itself. Returns [B, n, H, D]."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -245,11 +269,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ieee = q.dtype == torch.float32
     out = torch.empty_like(q)
     grid = (b * kv_heads, triton.cdiv(rows, block_m))
+    if tree is not None:
+        positions = tree.slots
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, positions, out, n, capacity, 1.0 / math.sqrt(head_dim),
+        q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
+        positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64,
-        BLOCK_D=max(16, _pow2(head_dim)), IEEE=ieee, num_warps=4)
+        BLOCK_D=max(16, _pow2(head_dim)), TREE=tree is not None, IEEE=ieee, num_warps=4)
     return out
 
 
@@ -351,31 +378,34 @@ def usable(x: torch.Tensor, positions: torch.Tensor, cache) -> bool:
 
 
 def block_step(block: nn.Module, residual: torch.Tensor, delta: torch.Tensor | None,
-               positions: torch.Tensor, cache, inv_freq: torch.Tensor, rope_scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor, cache, inv_freq: torch.Tensor, rope_scale: float,
+               tree: TreeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder block on the pending residual stream ``residual + delta``; returns the new
-    (residual, delta) pair (the MLP output is added by the next ``add_rmsnorm``)."""
+    (residual, delta) pair (the MLP output is added by the next ``add_rmsnorm``). ``tree``: the
+    tokens are draft-tree nodes (own cache slots, tree attention)."""
     attn, mlp, s = block.self_attn, block.mlp, block.self_attn.s
     b, n, _ = residual.shape
     i = cache.slot[attn.layer_id]
     residual, h = add_rmsnorm(residual, delta, block.input_layernorm.weight,
                               block.input_layernorm.eps)
     q = rope_cache_write(_qkv(attn, h), positions, cache.k[i], cache.v[i], inv_freq, rope_scale,
-                         s.num_heads, s.num_kv_heads)
-    o = decode_attention(q, cache.k[i], cache.v[i], positions).view(b, n, -1)
+                         s.num_heads, s.num_kv_heads, None if tree is None else tree.slots)
+    o = decode_attention(q, cache.k[i], cache.v[i], positions, tree=tree).view(b, n, -1)
     residual, h = add_rmsnorm(residual, attn.o_proj(o), block.post_attention_layernorm.weight,
                               block.post_attention_layernorm.eps)
     return residual, mlp.down_proj(silu_mul(_gate_up(mlp, h)))
 
 
 def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, cache,
-               inv_freq: torch.Tensor, rope_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+               inv_freq: torch.Tensor, rope_scale: float, tree: TreeAttention | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(residual, pending delta) after ``blocks`` on input states ``x`` [B, n, d] (x is not
     modified); the stream is ``residual + delta`` (delta None when there are no blocks)."""
     residual, delta = x.contiguous(), None
     positions = positions.contiguous()
     for block in blocks:
-        residual, delta = block_step(block, residual, delta, positions, cache, inv_freq, rope_scale)
+        residual, delta = block_step(block, residual, delta, positions, cache, inv_freq, rope_scale,
+                                     tree)
     return residual, delta
 
 
@@ -386,8 +416,9 @@ class FusedLayers:
         return usable(x, positions, cache)
 
     def run(self, blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor, cache,
-            inv_freq: torch.Tensor, rope_scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return run_blocks(blocks, x, positions, cache, inv_freq, rope_scale)
+            inv_freq: torch.Tensor, rope_scale: float, tree: TreeAttention | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return run_blocks(blocks, x, positions, cache, inv_freq, rope_scale, tree)
 
     def final_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
                    ) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashspec.matmul import linear
+from flashspec.tree import TreeAttention
 
 
 @dataclass
@@ -172,8 +173,8 @@ class DecodeLayers(Protocol):
         ...
 
     def run(self, blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor,
-            cache: "KVCache", inv_freq: torch.Tensor, rope_scale: float
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            cache: "KVCache", inv_freq: torch.Tensor, rope_scale: float,
+            tree: TreeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         ...
 
     def final_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module
@@ -227,34 +228,34 @@ class LlamaLM(nn.Module):
 
     def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                        layers: list[int] | None = None, span: int | None = None,
-                       tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       tree: TreeAttention | None = None) -> torch.Tensor:
         """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all).
 
-        ``tree`` = (cache slots [B, n], mask [B, 1, n, span]): the tokens of a draft tree
+        ``tree`` (:class:`flashspec.tree.TreeAttention`): the tokens are draft-tree nodes
         (:mod:`flashspec.tree`), at RoPE ``positions`` but written to their own slots and
-        attending what the mask allows."""
+        attending their ancestors and the committed prefix."""
         x = self.embed_tokens(tokens)
-        if tree is None and self._fused_step(x, positions, cache):
-            residual, delta = self._fused_layers(x, positions, cache, layers)
+        if self._fused_step(x, positions, cache, tree):
+            residual, delta = self._fused_layers(x, positions, cache, layers, tree)
             return self.decode_layers.final_norm(residual, delta, self.norm)
         return self.norm(self.run_layers(x, positions, cache, layers, span, tree))
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
                    layers: list[int] | None, span: int | None = None,
-                   tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   tree: TreeAttention | None = None) -> torch.Tensor:
         """Residual stream after ``layers`` on input embeddings ``x`` (no final norm).
 
         ``span`` bounds the cache slots attended (host-known max position + 1); None attends the
         whole cache capacity, which needs no device-to-host read. ``tree``: see forward_hidden.
         """
-        if tree is None and self._fused_step(x, positions, cache):
-            residual, delta = self._fused_layers(x, positions, cache, layers)
+        if self._fused_step(x, positions, cache, tree):
+            residual, delta = self._fused_layers(x, positions, cache, layers, tree)
             return residual if delta is None else residual + delta
         if cache is None:
             span = positions.shape[1]
         elif span is None:
             span = cache.capacity
-        slots, mask = tree if tree is not None else (
+        slots, mask = (tree.slots, tree.mask) if tree is not None else (
             positions, self.attention_mask(positions, span, cache is not None))
         rope = self.rope(positions)
         with sdpa_kernel(MASKED_SDPA):
@@ -262,14 +263,17 @@ class LlamaLM(nn.Module):
                 x = self.layers[i](x, rope, slots, cache, mask, span)
         return x
 
-    def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
-        return self.decode_layers is not None and self.decode_layers.usable(x, positions, cache)
+    def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
+                    tree: TreeAttention | None = None) -> bool:
+        return (self.decode_layers is not None and (tree is None or tree.bits is not None)
+                and self.decode_layers.usable(x, positions, cache))
 
     def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      layers: list[int] | None, tree: TreeAttention | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = range(self.shape.num_layers) if layers is None else layers
         return self.decode_layers.run([self.layers[i] for i in ids], x, positions, cache,
-                                      self.inv_freq, self.rope_scale)
+                                      self.inv_freq, self.rope_scale, tree)
 
     @staticmethod
     def attention_mask(positions: torch.Tensor, span: int, cached: bool) -> torch.Tensor:

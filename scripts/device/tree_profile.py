@@ -69,14 +69,14 @@ def main() -> None:
             continue
         phases: dict = collections.defaultdict(float)
         saved = (eagle.propose_tree, model.forward_hidden, engine.backend_impl,
-                 engine.cache.move, engine_mod.tree_mask)
+                 engine.cache.move, engine_mod.tree_attention)
         eagle.propose_tree = timed(phases, "draft", eagle.propose_tree)
         model.forward_hidden = timed(phases, "target forward", model.forward_hidden)
         impl = engine.backend_impl
         engine.backend_impl = dataclasses.replace(impl, verify_tree=timed(phases, "verify",
                                                                           impl.verify_tree))
         engine.cache.move = timed(phases, "kv move", engine.cache.move)
-        engine_mod.tree_mask = timed(phases, "ancestors+mask", engine_mod.tree_mask)
+        engine_mod.tree_attention = timed(phases, "ancestors+masks", engine_mod.tree_attention)
         torch.cuda.synchronize()
         t = time.perf_counter()
         res = engine.generate([prompt], args.new, seed=2)
@@ -86,7 +86,7 @@ def main() -> None:
             print(f"  {name:16s} {1e3 * s / steps:7.2f} ms/step", flush=True)
         print(f"  {'total (synced)':16s} {1e3 * wall / steps:7.2f} ms/step", flush=True)
         (eagle.propose_tree, model.forward_hidden, engine.backend_impl, engine.cache.move,
-         engine_mod.tree_mask) = saved
+         engine_mod.tree_attention) = saved
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.generate([prompt], 32, seed=3)
         ev = prof.key_averages()
