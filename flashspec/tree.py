@@ -151,29 +151,35 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
 
 @dataclass(frozen=True)
 class TreeAttention:
-    """How a target step's draft-tree nodes attend: ``slots`` [B, q] (each query's own cache
-    slot), ``mask`` [B, 1, q, span] (the reference layers), and for the fused decode layers
-    ``bits`` [B, q] int64 (bit j set: tree slot ``base + j`` is visible, i.e. node j is the
-    query or one of its ancestors; None when the tree has more than 64 nodes, which the fused
-    layers leave to the reference ones) and ``base`` [B] (the root's slot, L - 1)."""
+    """How draft-tree nodes attend in a step: ``slots`` [B, q] (each query's own cache slot),
+    ``mask`` [B, 1, q, span] (the reference layers), and for the fused decode layers ``bits``
+    [B, q, W] int64 (W words; bit j set: tree slot ``base + j`` is visible, i.e. node j is the
+    query or one of its ancestors) and ``base`` [B] (the root's slot, L - 1)."""
 
     slots: torch.Tensor
     mask: torch.Tensor
-    bits: torch.Tensor | None
+    bits: torch.Tensor
     base: torch.Tensor
+
+    @classmethod
+    def of(cls, ancestors: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+           span: int) -> "TreeAttention":
+        """For queries with ancestor rows ``ancestors`` [B, q, M] (columns: tree node ids) at
+        cache ``slots`` [B, q], rows of committed ``lengths`` [B]."""
+        batch, queries, width = ancestors.shape
+        words = -(-width // 64)
+        padded = torch.nn.functional.pad(ancestors, (0, 64 * words - width))
+        shifts = torch.arange(64, device=ancestors.device)
+        # distinct bits: the sum is their OR (bit 63 wraps to the sign bit, still that bit)
+        bits = (padded.view(batch, queries, words, 64).long() << shifts).sum(-1)
+        return cls(slots, tree_mask(ancestors, lengths, span), bits, lengths - 1)
 
 
 def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:
     """(RoPE positions [B, N + 1], :class:`TreeAttention`) of a target step over ``draft``."""
-    anc = draft.ancestors()
     positions, slots = tree_positions(draft, lengths)
-    width = anc.shape[-1]
-    bits = None
-    if width <= 64:     # distinct bits: the sum is their OR (bit 63 wraps to the sign bit)
-        shifts = torch.arange(width, device=anc.device)
-        bits = (anc.long() << shifts).sum(-1)
-    return positions, TreeAttention(slots, tree_mask(anc, lengths, span), bits, lengths - 1)
+    return positions, TreeAttention.of(draft.ancestors(), slots, lengths, span)
 
 
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]

@@ -250,6 +250,34 @@ def test_eagle_drafter_fused_equals_reference(norms):
     assert got == ref
 
 
+@pytest.mark.parametrize("shape", ["2x2x1", "dyn6d3k3"])
+def test_eagle_tree_fused_equals_reference(shape):
+    """A tree arm end to end (EAGLE expands each frontier in its own slots, the target scores
+    every node in one step, paths compacted) through the fused layers: the same greedy tokens
+    and acceptance as the reference layers. dyn6d3k3 drafts 21 candidates."""
+    from flashspec.tree import TreeShape
+    model = fused.fuse_model(tiny_model())
+    module = EagleModule(model.shape, EagleConfig(in_norm=True, out_norm=True))
+    module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
+    drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
+    arm = Arm.of_tree(drafter, TreeShape.parse(shape))
+    ref = generate(model, False, arm, False, (20, 18))
+    real, checked = module.forward, []
+
+    def fused_and_reference(feat, emb, rope, pos, mask, cache, span, rotary=None, tree=None):
+        """Each fused tree expansion is also run through the reference blocks under the mask."""
+        out = real(feat, emb, rope, pos, mask, cache, span, rotary=rotary, tree=tree)
+        if tree is not None:
+            want = real(feat, emb, model.rope(pos), tree.slots, tree.mask, cache, span)
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+            checked.append(pos.shape)
+        return out
+    module.forward = fused_and_reference
+    got = generate(model, True, arm, False, (20, 18))
+    assert got == ref
+    assert checked, "the fused layers never expanded a tree"
+
+
 def test_head_dim_scale_is_inverse_sqrt():
     """Guards the softmax scale independently of SDPA's default."""
     q, k, v = torch.randn(1, 1, H, D), torch.randn(1, HKV, CAP, D), torch.randn(1, HKV, CAP, D)
@@ -286,7 +314,6 @@ def test_fused_tree_step_matches_reference(lengths):
                                  span=prefix.shape[1])
             model.decode_layers = fused.LAYERS if use_fused else None
             positions, attention = tree_attention(tree, lens, span)
-            assert attention.bits is not None
             outs.append(model.forward_hidden(tree.tokens, positions, cache, span=span,
                                              tree=attention))
         caches.append(cache)

@@ -27,7 +27,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
-from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_mask
+from flashspec.tree import TreeAttention, TreeDraft, TreeShape, grow_tree
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
@@ -99,14 +99,19 @@ class EagleDrafter(GraphedDrafting, Drafter):
         """Predicted features of a window; ``span`` None attends the whole cache."""
         span = self.cache.capacity if span is None else span
         embeds = self.target.embed_tokens(tokens)
-        if self.target.fused:   # the target's fused decode layers are on
-            from flashspec.models.fused import usable
-            if usable(embeds, positions, self.cache):
-                return self.module(feats, embeds, None, positions, None, self.cache, span,
-                                   rotary=(self.target.inv_freq, self.target.rope_scale))
+        if self._fusable(embeds, positions):
+            return self.module(feats, embeds, None, positions, None, self.cache, span,
+                               rotary=(self.target.inv_freq, self.target.rope_scale))
         rope = self.target.rope(positions)
         mask = LlamaLM.attention_mask(positions, span, True)
         return self.module(feats, embeds, rope, positions, mask, self.cache, span)
+
+    def _fusable(self, x: torch.Tensor, positions: torch.Tensor) -> bool:
+        """Whether the target's fused decode layers are on and take this module step."""
+        if not self.target.fused:
+            return False
+        from flashspec.models.fused import usable    # triton only once the fused layers are on
+        return usable(x, positions, self.cache)
 
     # ------------------------------------------------------------------ drafting
     def _window(self, state: DecodeState) -> tuple[list[int], int]:
@@ -153,10 +158,16 @@ class EagleDrafter(GraphedDrafting, Drafter):
         def expand(ids, toks, parents, depth, anc):
             feat = h[rows[:, None], parents]
             pos = (lengths - 1 + depth)[:, None].expand_as(ids)
-            slots = lengths[:, None] - 1 + ids
-            mask = tree_mask(anc[rows[:, None], ids], lengths, span)
+            attention = TreeAttention.of(anc[rows[:, None], ids], lengths[:, None] - 1 + ids,
+                                         lengths, span)
             emb = self.target.embed_tokens(toks)
-            new = self.module(feat, emb, self.target.rope(pos), slots, mask, self.cache, span)
+            if self._fusable(emb, pos):
+                new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, span,
+                                  rotary=(self.target.inv_freq, self.target.rope_scale),
+                                  tree=attention)
+            else:
+                new = self.module(feat, emb, self.target.rope(pos), attention.slots,
+                                  attention.mask, self.cache, span)
             h[rows[:, None], ids] = new
             return self._scaled(self.head(new))
 

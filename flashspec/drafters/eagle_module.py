@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from flashspec.errors import FlashSpecError
+from flashspec.tree import TreeAttention
 from flashspec.models.llama import MASKED_SDPA, Block, KVCache, Linear, LlamaShape, RMSNorm
 
 
@@ -71,11 +72,13 @@ class EagleModule(nn.Module):
     def forward(self, features: torch.Tensor, embeds: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
                 mask: torch.Tensor | None, cache: KVCache | None = None, span: int | None = None,
-                rotary: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                rotary: tuple[torch.Tensor, float] | None = None,
+                tree: TreeAttention | None = None) -> torch.Tensor:
         """Predicted features [B, n, d] for slots with (previous feature, token embedding).
 
         ``rotary`` (the target's inv_freq, rope_scale) runs the blocks through the fused decode
-        layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused)."""
+        layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused; ``positions`` are
+        RoPE positions and ``tree`` places draft-tree nodes in their own slots)."""
         features = features.to(embeds.dtype)
         if rotary is not None and cache is not None:   # fused: one kernel per norm (and add)
             from flashspec.models.fused import add_rmsnorm, run_blocks
@@ -83,7 +86,7 @@ class EagleModule(nn.Module):
                 features = add_rmsnorm(features, None, self.feat_norm.weight, self.feat_norm.eps)[1]
                 embeds = add_rmsnorm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)[1]
             x = self.fc(torch.cat([features, embeds], dim=-1))
-            x, delta = run_blocks(self.layers, x, positions, cache, *rotary)
+            x, delta = run_blocks(self.layers, x, positions, cache, *rotary, tree)
             if self.norm is not None:
                 return add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)[1]
             return x if delta is None else x + delta

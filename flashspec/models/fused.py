@@ -139,12 +139,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
                              capacity, scale, s_kb, s_kh, s_ks,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             TREE: tl.constexpr, IEEE: tl.constexpr):
+                             TREE: tl.constexpr, NW: tl.constexpr, IEEE: tl.constexpr):
     """Program (b * HKV + kv head, query block): the G = H / HKV query heads of one kv head for
     all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
     a query at position p sees slots <= p. With TREE, pos_ptr holds each query's own slot and
     the query sees the slots below base_ptr[b] (the committed prefix) and tree slot base + j
-    where bit j of bits_ptr[b, t] is set (its ancestors and itself).
+    where bit j of its NW-word bitmask bits_ptr[b, t, :] is set (its ancestors and itself).
     q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
@@ -155,10 +155,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     valid = t < n
     pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
     hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
-    bits = tl.zeros([BLOCK_M], tl.int64)
     base = 0
     if TREE:
-        bits = tl.load(bits_ptr + b * n + t, mask=valid, other=0)
         base = tl.load(base_ptr + b)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -180,8 +178,12 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
         seen = s[None, :] <= pos[:, None]
         if TREE:
             rel = s[None, :] - base
-            bit = (bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
-            seen = seen & ((rel < 0) | ((rel < 64) & (bit != 0)))
+            inside = (rel >= 0) & (rel < 64 * NW)
+            r = tl.maximum(rel, 0)
+            word = tl.load(bits_ptr + (b * n + t)[:, None] * NW + r // 64,
+                           mask=valid[:, None] & inside, other=0)
+            bit = (word >> (r % 64).to(tl.int64)) & 1
+            seen = seen & ((rel < 0) | (inside & (bit != 0)))
         scores = tl.where(seen, scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -259,8 +261,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      tree: TreeAttention | None = None) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
     a query at position p sees slots 0..p of its own row; with ``tree``
-    (:class:`flashspec.tree.TreeAttention`, at most 64 tree slots) a node sees the committed
-    prefix, its ancestors and itself. Returns [B, n, H, D]."""
+    (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
+    and itself. Returns [B, n, H, D]."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -276,7 +278,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64,
-        BLOCK_D=max(16, _pow2(head_dim)), TREE=tree is not None, IEEE=ieee, num_warps=4)
+        BLOCK_D=max(16, _pow2(head_dim)), TREE=tree is not None,
+        NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee, num_warps=4)
     return out
 
 

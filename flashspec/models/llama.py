@@ -235,7 +235,7 @@ class LlamaLM(nn.Module):
         (:mod:`flashspec.tree`), at RoPE ``positions`` but written to their own slots and
         attending their ancestors and the committed prefix."""
         x = self.embed_tokens(tokens)
-        if self._fused_step(x, positions, cache, tree):
+        if self._fused_step(x, positions, cache):
             residual, delta = self._fused_layers(x, positions, cache, layers, tree)
             return self.decode_layers.final_norm(residual, delta, self.norm)
         return self.norm(self.run_layers(x, positions, cache, layers, span, tree))
@@ -248,7 +248,7 @@ class LlamaLM(nn.Module):
         ``span`` bounds the cache slots attended (host-known max position + 1); None attends the
         whole cache capacity, which needs no device-to-host read. ``tree``: see forward_hidden.
         """
-        if self._fused_step(x, positions, cache, tree):
+        if self._fused_step(x, positions, cache):
             residual, delta = self._fused_layers(x, positions, cache, layers, tree)
             return residual if delta is None else residual + delta
         if cache is None:
@@ -263,10 +263,8 @@ class LlamaLM(nn.Module):
                 x = self.layers[i](x, rope, slots, cache, mask, span)
         return x
 
-    def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None,
-                    tree: TreeAttention | None = None) -> bool:
-        return (self.decode_layers is not None and (tree is None or tree.bits is not None)
-                and self.decode_layers.usable(x, positions, cache))
+    def _fused_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None) -> bool:
+        return self.decode_layers is not None and self.decode_layers.usable(x, positions, cache)
 
     def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       layers: list[int] | None, tree: TreeAttention | None = None
