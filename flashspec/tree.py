@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -151,35 +152,43 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
 
 @dataclass(frozen=True)
 class TreeAttention:
-    """How draft-tree nodes attend in a step: ``slots`` [B, q] (each query's own cache slot),
-    ``mask`` [B, 1, q, span] (the reference layers), and for the fused decode layers ``bits``
-    [B, q, W] int64 (W words; bit j set: tree slot ``base + j`` is visible, i.e. node j is the
-    query or one of its ancestors) and ``base`` [B] (the root's slot, L - 1)."""
+    """How draft-tree nodes attend in a step: queries at cache ``slots`` [B, q] with
+    ``ancestors`` [B, q, M] (columns: tree node ids), rows of committed ``lengths`` [B], keys up
+    to ``span``. The reference layers read ``mask``, the fused decode layers ``bits`` and
+    ``base``; each is built on first use, so a step builds only the one its layers read."""
 
     slots: torch.Tensor
-    mask: torch.Tensor
-    bits: torch.Tensor
-    base: torch.Tensor
+    ancestors: torch.Tensor
+    lengths: torch.Tensor
+    span: int
 
-    @classmethod
-    def of(cls, ancestors: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-           span: int) -> "TreeAttention":
-        """For queries with ancestor rows ``ancestors`` [B, q, M] (columns: tree node ids) at
-        cache ``slots`` [B, q], rows of committed ``lengths`` [B]."""
-        batch, queries, width = ancestors.shape
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, q, span] bool (:func:`tree_mask`)."""
+        return tree_mask(self.ancestors, self.lengths, self.span)
+
+    @cached_property
+    def bits(self) -> torch.Tensor:
+        """[B, q, W] int64 (W words): bit j set when tree slot ``base + j`` is visible, i.e. node
+        j is the query or one of its ancestors."""
+        batch, queries, width = self.ancestors.shape
         words = -(-width // 64)
-        padded = torch.nn.functional.pad(ancestors, (0, 64 * words - width))
-        shifts = torch.arange(64, device=ancestors.device)
+        padded = torch.nn.functional.pad(self.ancestors, (0, 64 * words - width))
+        shifts = torch.arange(64, device=self.ancestors.device)
         # distinct bits: the sum is their OR (bit 63 wraps to the sign bit, still that bit)
-        bits = (padded.view(batch, queries, words, 64).long() << shifts).sum(-1)
-        return cls(slots, tree_mask(ancestors, lengths, span), bits, lengths - 1)
+        return (padded.view(batch, queries, words, 64).long() << shifts).sum(-1)
+
+    @cached_property
+    def base(self) -> torch.Tensor:
+        """[B]: the root's slot, L - 1."""
+        return self.lengths - 1
 
 
 def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:
     """(RoPE positions [B, N + 1], :class:`TreeAttention`) of a target step over ``draft``."""
     positions, slots = tree_positions(draft, lengths)
-    return positions, TreeAttention.of(draft.ancestors(), slots, lengths, span)
+    return positions, TreeAttention(slots, draft.ancestors(), lengths, span)
 
 
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]

@@ -158,8 +158,8 @@ class EagleDrafter(GraphedDrafting, Drafter):
         def expand(ids, toks, parents, depth, anc):
             feat = h[rows[:, None], parents]
             pos = (lengths - 1 + depth)[:, None].expand_as(ids)
-            attention = TreeAttention.of(anc[rows[:, None], ids], lengths[:, None] - 1 + ids,
-                                         lengths, span)
+            attention = TreeAttention(lengths[:, None] - 1 + ids, anc[rows[:, None], ids],
+                                      lengths, span)
             emb = self.target.embed_tokens(toks)
             if self._fusable(emb, pos):
                 new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, span,

@@ -2,9 +2,9 @@
 """Where a tree step's time goes (GPU): per-phase wall time of the eager tree step and the
 host syncs it makes, next to a chain step of the same drafter.
 
-Each phase (drafting, ancestors + mask, target forward, verify, K/V compaction, the rest) is
-timed with a device synchronisation on both sides, so the phases add up to more than an
-unsynchronised step; the point is their proportions. Then one generation runs under
+Each phase (drafting, ``tree_attention``: the ancestors, the masks being built lazily inside
+the target forward; target forward, verify, K/V compaction) is timed with a device
+synchronisation on both sides, so the phases add up to more than an unsynchronised step; the point is their proportions. Then one generation runs under
 torch.profiler and the ops with the most self CPU time (and the ``aten::item`` /
 ``aten::_local_scalar_dense`` count: host reads of device values) are printed.
 
@@ -76,7 +76,7 @@ def main() -> None:
         engine.backend_impl = dataclasses.replace(impl, verify_tree=timed(phases, "verify",
                                                                           impl.verify_tree))
         engine.cache.move = timed(phases, "kv move", engine.cache.move)
-        engine_mod.tree_attention = timed(phases, "ancestors+masks", engine_mod.tree_attention)
+        engine_mod.tree_attention = timed(phases, "tree_attention", engine_mod.tree_attention)
         torch.cuda.synchronize()
         t = time.perf_counter()
         res = engine.generate([prompt], args.new, seed=2)
