@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
@@ -94,12 +94,14 @@ class TreeDraft:
     """The drafted trees of a batch: ``tokens``, ``parents``, ``depth`` [B, N + 1] (node 0 the
     root: the last committed token, parent -1, depth 0). ``logits`` [B, N + 1, V]: the raw draft
     logits at each node when its children were sampled from them without replacement (in
-    sibling order); None when children were chosen deterministically (one-hot drafts)."""
+    sibling order); None when children were chosen deterministically (one-hot drafts).
+    ``known_ancestors``: :meth:`ancestors` when the drafting already built it (else derived)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     logits: torch.Tensor | None = None
+    known_ancestors: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -107,6 +109,8 @@ class TreeDraft:
 
     def ancestors(self) -> torch.Tensor:
         """[B, N + 1, N + 1] bool: ``[b, i, j]`` when node j is node i or one of its ancestors."""
+        if self.known_ancestors is not None:
+            return self.known_ancestors
         batch, n = self.parents.shape
         anc = torch.eye(n, dtype=torch.bool, device=self.parents.device).repeat(batch, 1, 1)
         rows = torch.arange(batch, device=self.parents.device)
@@ -259,7 +263,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         if d < shape.max_depth:
             logits = expand(frontier, tokens[rows, frontier], parents[rows, frontier], d, anc)
     if not shape.nodes:
-        return TreeDraft(tokens, parents, depth, raw)
+        return TreeDraft(tokens, parents, depth, raw, known_ancestors=anc)
     order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :shape.nodes] + 1
     keep = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev),
                       order.sort(dim=1).values], dim=1)                     # [B, N+1], drafting order
@@ -268,5 +272,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     kept_parents = parents.gather(1, keep)
     new_parents = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)),
                               kept_parents)
+    kept_anc = anc.gather(1, keep[:, :, None].expand(-1, -1, m + 1))
+    kept_anc = kept_anc.gather(2, keep[:, None, :].expand(-1, shape.nodes + 1, -1))
     return TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep),
-                     None if raw is None else raw[rows, keep])
+                     None if raw is None else raw[rows, keep], known_ancestors=kept_anc)

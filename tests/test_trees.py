@@ -67,6 +67,9 @@ def test_grown_trees_are_trees(spec: str, temperature: float) -> None:
         for row in kids[b]:
             toks = [int(tree.tokens[b, k]) for k in row if k >= 0]
             assert len(toks) == len(set(toks))
+    # the ancestor matrix drafting built (dynamic: restricted to the kept nodes) is the tree's
+    derived = TreeDraft(tree.tokens, tree.parents, tree.depth).ancestors()
+    assert tree.known_ancestors is not None and torch.equal(tree.ancestors(), derived)
 
 
 @pytest.fixture(scope="module")

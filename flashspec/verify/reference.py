@@ -72,16 +72,18 @@ def block_race(w: torch.Tensor, p: torch.Tensor, seed, streams: torch.Tensor) ->
 def race_in_blocks(masses: torch.Tensor, w: torch.Tensor, seed, streams: torch.Tensor
                    ) -> torch.Tensor:
     """The block argmax_k log masses_k - log E_k (uniforms at V + 1 + k), then the token
-    argmax_v log w_v - log E_v among that block's tokens (uniforms at v)."""
+    argmax_v log w_v - log E_v among that block's tokens (uniforms at v): random numbers are
+    drawn for the block masses and the RACE_BLOCK tokens of the winning block only."""
     vocab = w.shape[-1]
     st = streams.unsqueeze(-1)
     blocks = torch.arange(masses.shape[-1], device=w.device)
     ub = rng.uniform(seed, st, vocab + 1 + blocks)
     block = (torch.log(masses) - torch.log(-torch.log(ub))).argmax(dim=-1, keepdim=True)
-    idx = torch.arange(vocab, device=w.device)
-    keys = torch.log(w) - torch.log(-torch.log(rng.uniform(seed, st, idx)))
-    keys = torch.where(idx // RACE_BLOCK == block, keys, torch.full_like(keys, NEG_INF))
-    return keys.argmax(dim=-1)
+    idx = block * RACE_BLOCK + torch.arange(RACE_BLOCK, device=w.device)   # [..., RACE_BLOCK]
+    inside = idx < vocab                                 # the last block is padded with w = 0
+    w_block = torch.where(inside, w.gather(-1, idx.clamp(max=vocab - 1)), torch.zeros((), device=w.device))
+    keys = torch.log(w_block) - torch.log(-torch.log(rng.uniform(seed, st, idx)))
+    return idx.gather(-1, keys.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -113,21 +115,28 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     accept = torch.where(greedy, greedy_ok, stochastic_ok)
     n_acc = accept.int().cumprod(dim=1).sum(dim=1)                        # [B]
 
-    p = torch.exp(logp)
-    w = p.clone()
-    w[:, :gamma] = race_weights(logp[:, :gamma], logq)
-    sampled = block_race(w, p, seed, streams)                             # [B, γ+1]
-    fix = torch.where(greedy, logp.argmax(-1), sampled)
+    # the correction/bonus token is drawn at each row's stopping position only: the residual
+    # max(0, p - q) at a rejection, p itself after γ acceptances (q = 0 there)
+    at = n_acc.long().view(-1, 1)
+    logp_n = logp.gather(1, at.unsqueeze(-1).expand(-1, 1, vocab)).squeeze(1)          # [B, V]
+    logq_n = torch.full_like(logp_n, NEG_INF)
+    if gamma > 0:
+        logq_n = logq.gather(1, at.clamp(max=gamma - 1).unsqueeze(-1).expand(-1, 1, vocab))
+        logq_n = torch.where(at == gamma, NEG_INF, logq_n.squeeze(1))
+    sampled = block_race(race_weights(logp_n, logq_n), torch.exp(logp_n), seed,
+                         streams.gather(1, at).squeeze(1))                                # [B]
+    fix = torch.where(greedy.squeeze(1), logp_n.argmax(-1), sampled)
     return assemble(draft_tokens, n_acc, fix), n_acc
 
 
 def assemble(draft_tokens: torch.Tensor, n_acc: torch.Tensor, fix: torch.Tensor) -> torch.Tensor:
-    """Output rows: the accepted drafts, then the correction/bonus token, then -1 padding."""
+    """Output rows: the accepted drafts, then the correction/bonus token fix [B], then -1
+    padding."""
     gamma = draft_tokens.shape[1]
     pos = torch.arange(gamma + 1, device=fix.device).view(1, -1)
     n = n_acc.view(-1, 1)
     drafts = torch.cat([draft_tokens.long(), torch.zeros_like(n)], dim=1)
-    return torch.where(pos < n, drafts, torch.where(pos == n, fix, torch.full_like(fix, -1)))
+    return torch.where(pos < n, drafts, torch.where(pos == n, fix.view(-1, 1), -1))
 
 
 def greedy_verify(logp: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,5 +144,5 @@ def greedy_verify(logp: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch
     best = logp.argmax(-1)
     accept = draft_tokens.long() == best[:, :draft_tokens.shape[1]]
     n_acc = accept.int().cumprod(dim=1).sum(dim=1)
-    return assemble(draft_tokens, n_acc, best), n_acc
+    return assemble(draft_tokens, n_acc, best.gather(1, n_acc.long().view(-1, 1))), n_acc
 

@@ -39,7 +39,8 @@ from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
-from flashspec.verify.triton_host import DTYPES, log_once, next_pow2, seed_args, unit_rows
+from flashspec.verify.triton_host import (DTYPES, log_once, next_pow2, seed_args, unfused_input,
+                                         unit_rows)
 
 MAX_TOPK = 256
 INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
@@ -111,14 +112,7 @@ def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
         return f"top-k > {MAX_TOPK} is not fused"
     if 0 < params.top_k < vocab and target_logits.is_cuda and not options.fuse_topk_on_cuda:
         return "fused top-k is disabled on CUDA (mismatched the reference on an H200)"
-    for t in (target_logits, draft_logits):
-        if t is not None and t.dtype not in DTYPES:
-            return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
-    if vocab >= 1 << 24:
-        return "vocabularies of 2^24 or more tokens are not fused"
-    if target_logits.device.type == "cpu" and not INTERPRET:
-        return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
-    return None
+    return unfused_input(target_logits, draft_logits, INTERPRET)
 
 
 def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,

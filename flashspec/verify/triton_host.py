@@ -23,6 +23,20 @@ def log_once(reason: str) -> None:
         log.warning("triton verify falls back to the torch reference: %s", reason)
 
 
+def unfused_input(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
+                  interpret: bool) -> str | None:
+    """Why these logits cannot go to a Triton verify kernel (dtype, vocabulary size, a CPU
+    tensor without the interpreter), or None; each launcher adds its own sampling limits."""
+    for t in (target_logits, draft_logits):
+        if t is not None and t.dtype not in DTYPES:
+            return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
+    if target_logits.shape[-1] >= 1 << 24:
+        return "vocabularies of 2^24 or more tokens are not fused"
+    if target_logits.device.type == "cpu" and not interpret:
+        return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+    return None
+
+
 def seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, int]:
     """(int64 seed tensor, int32 seed, seed_mode) without reading a device tensor on the host;
     seed_mode 1 reads the tensor, 0 the int (the tensor is then a cached dummy)."""

@@ -33,7 +33,7 @@ from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.tree import TreeDraft
 from flashspec.verify import tree as reference_tree
 from flashspec.verify.sampling import SamplingParams
-from flashspec.verify.triton_host import DTYPES, log_once, next_pow2, seed_args, unit_rows
+from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unfused_input, unit_rows
 from flashspec.verify.triton_kernels import (BIG_IDX, FLT_MAX, NEG_INF, POS_INF, RBLK, _exp,
                                              _load_seed_rt, _log, _row_temps, _stream_key,
                                              _uniform)
@@ -271,14 +271,7 @@ def _fallback_reason(target_logits: torch.Tensor, draft: TreeDraft,
                      params: SamplingParams) -> str | None:
     if params.top_k > 0 or params.top_p < 1.0:
         return "tree verify fuses temperature only (top-k/top-p are not fused)"
-    for t in (target_logits, draft.logits):
-        if t is not None and t.dtype not in DTYPES:
-            return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
-    if target_logits.shape[-1] >= 1 << 24:
-        return "vocabularies of 2^24 or more tokens are not fused"
-    if target_logits.device.type == "cpu" and not INTERPRET:
-        return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
-    return None
+    return unfused_input(target_logits, draft.logits, INTERPRET)
 
 
 def _check(target_logits: torch.Tensor, draft: TreeDraft) -> None:
