@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import cache_root
+from flashspec.paths import cache_root, write_text_atomic
 
 SMALL_ROWS = 16
 FORMS = ("xwt", "wxt")       # F.linear as given | (W xᵀ)ᵀ
@@ -164,9 +164,7 @@ def _save(key: str, form: str) -> None:
         except (OSError, ValueError, KeyError, TypeError):
             on_disk = {}
         on_disk[key] = form
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"machine": machine_key(), "choices": on_disk}, indent=1,
-                                  sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps({"machine": machine_key(), "choices": on_disk},
+                                           indent=1, sort_keys=True) + "\n")
     except OSError:
         pass                                   # read-only cache: the in-memory choice stands

@@ -35,3 +35,17 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def temp_sibling(path: Path) -> Path:
+    """A per-process temporary name next to ``path``: write there, then ``os.replace`` it onto
+    ``path``, so concurrent writers (parallel sweep jobs, test workers) never share a half-written
+    file and readers see the old file or the new one."""
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)`` through :func:`temp_sibling` and ``os.replace``."""
+    tmp = temp_sibling(path)
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from flashspec.errors import FlashSpecError
+from flashspec.paths import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +337,8 @@ def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "ch
 
 
 def _store_config(path: Path, config: dict[str, Any], digest: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"config_hash": digest, "config": config}, indent=1,
-                              sort_keys=True, default=_jsonable) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"config_hash": digest, "config": config}, indent=1,
+                                        sort_keys=True, default=_jsonable) + "\n")
 
 
 def _archive(run_dir: Path) -> Path | None:

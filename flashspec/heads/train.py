@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import file_sha256
+from flashspec.paths import file_sha256, temp_sibling, write_text_atomic
 from flashspec.heads.choice import HeadChoice, LowRankChoice, resolve_rank
 from flashspec.heads.distill import agreement_metrics, check_disjoint, distill_lowrank
 from flashspec.heads.hidden import greedy_generate
@@ -192,14 +193,14 @@ def load_or_collect(target: Any, tokenizer: Any, module: Any, spec: HeadTrainSpe
     evals = collect(target, tokenizer, module, spec, "eval", progress)
     check_disjoint(train.prompt_ids, evals.prompt_ids)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "data.safetensors.tmp"
+    tmp = temp_sibling(path)
     save_file({"train_h": train.drafter.half(), "train_f": train.target.half(),
                "eval_h": evals.drafter.half(), "eval_f": evals.target.half()}, str(tmp))
-    (folder / "meta.json").write_text(json.dumps({
+    write_text_atomic(folder / "meta.json", json.dumps({
         "format": FORMAT, "spec": spec.data_spec(), "train_prompt_ids": train.prompt_ids,
         "eval_prompt_ids": evals.prompt_ids, "train_rows": len(train), "eval_rows": len(evals)},
         indent=1) + "\n")
-    tmp.rename(path)
+    os.replace(tmp, path)
     # fp16 on disk: the same values whether just collected or read back
     load = lambda d: EagleHeadData(d.drafter.half().float(), d.target.half().float(), d.prompt_ids)
     return load(train), load(evals)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from flashspec.errors import FlashSpecError
-from flashspec.paths import cache_root, file_sha256
+from flashspec.paths import cache_root, file_sha256, temp_sibling
 from flashspec.models.llama import LlamaLM, LlamaShape
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def convert_gguf(gguf: Path, out: Path, key: dict[str, object] | None = None) ->
         cfg.pop(name, None)
     clean = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
     clean.load_state_dict(model.state_dict())
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     clean.save_pretrained(tmp)
     tok.save_pretrained(tmp)

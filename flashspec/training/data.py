@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
+from flashspec.paths import temp_sibling, write_text_atomic
 
 log = logging.getLogger(__name__)
 FORMAT = "flashspec-distill-v1"
@@ -116,12 +118,12 @@ class DistillData:
 
     def save(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / "data.safetensors.tmp"
+        tmp = temp_sibling(folder / "data.safetensors")
         save_file({"tokens": self.tokens, "offsets": self.offsets, "n_prompt": self.n_prompt,
                    "features": self.features.contiguous(), "top_ids": self.top_ids.contiguous(),
                    "top_logp": self.top_logp.contiguous()}, str(tmp))
-        (folder / "meta.json").write_text(json.dumps(self.meta, indent=1) + "\n")
-        tmp.rename(folder / "data.safetensors")
+        write_text_atomic(folder / "meta.json", json.dumps(self.meta, indent=1) + "\n")
+        os.replace(tmp, folder / "data.safetensors")
         return folder
 
     @classmethod
