@@ -4,7 +4,9 @@
 Greedy and T = 1 on HumanEval and MT-Bench (first turns), prompts drawn with ``--seed`` from the
 eval split; τ is tokens per target forward. Greedy outputs are checked equal to target-only AR.
 On a GPU every engine uses CUDA graphs for what it can (the tree step itself runs eagerly) and
-the fused verify; each engine is warmed up once, then tok/s (new tokens / wall) is recorded
+the fused verify; each engine is warmed up (graph capture, then every prompt's prefill: kernels
+specialise on prompt-length buckets, and the first method to meet one would pay the compile in
+its timed call), then tok/s (new tokens / wall) is recorded
 with its ratio to target-only AR of the same run. One JSON line per (cell, method).
 
     python scripts/tree_tau.py --n 8 --new 96 --trees dyn15,4x2x1 --chains 15,4 --out tau.jsonl
@@ -62,6 +64,8 @@ def main() -> None:
             for arm in [Arm(None, 0)] + arms:
                 engine = SpecEngine(model, [arm], params=params, **kw)
                 engine.generate(prompts[:1], 16, seed=99)          # warm-up (graph capture)
+                for p in prompts:   # and every prompt's prefill: kernels compile per length bucket
+                    engine.generate([p], 2, seed=99)
                 rows, wall = [], 0.0
                 for i, p in enumerate(tqdm(prompts, desc=f"{dataset} T={temperature} {arm.name}", leave=False)):
                     res = engine.generate([p], args.new, seed=i)
