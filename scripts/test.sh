@@ -10,4 +10,4 @@ export TRITON_INTERPRET=1 WANDB_MODE=offline WANDB_SILENT=true
 # (interpreted Triton kernels, subprocess runs of run.py), so two workers use both cores of the
 # CI box. Pass -n 0 to run serially.
 export OMP_NUM_THREADS=1
-python -m pytest -q -p no:cacheprovider --durations=30 -n 2 "$@"
+python -m pytest -q -p no:cacheprovider --durations=30 -n 2 --dist worksteal "$@"
