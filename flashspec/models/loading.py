@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from functools import lru_cache
 from pathlib import Path

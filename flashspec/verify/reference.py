@@ -81,7 +81,8 @@ def race_in_blocks(masses: torch.Tensor, w: torch.Tensor, seed, streams: torch.T
     block = (torch.log(masses) - torch.log(-torch.log(ub))).argmax(dim=-1, keepdim=True)
     idx = block * RACE_BLOCK + torch.arange(RACE_BLOCK, device=w.device)   # [..., RACE_BLOCK]
     inside = idx < vocab                                 # the last block is padded with w = 0
-    w_block = torch.where(inside, w.gather(-1, idx.clamp(max=vocab - 1)), torch.zeros((), device=w.device))
+    w_block = torch.where(inside, w.gather(-1, idx.clamp(max=vocab - 1)),
+                          torch.zeros((), device=w.device))
     keys = torch.log(w_block) - torch.log(-torch.log(rng.uniform(seed, st, idx)))
     return idx.gather(-1, keys.argmax(dim=-1, keepdim=True)).squeeze(-1)
 

@@ -4,9 +4,10 @@ host syncs it makes, next to a chain step of the same drafter.
 
 Each phase (drafting, ``tree_attention``: the ancestors, the masks being built lazily inside
 the target forward; target forward, verify, K/V compaction) is timed with a device
-synchronisation on both sides, so the phases add up to more than an unsynchronised step; the point is their proportions. Then one generation runs under
-torch.profiler and the ops with the most self CPU time (and the ``aten::item`` /
-``aten::_local_scalar_dense`` count: host reads of device values) are printed.
+synchronisation on both sides, so the phases add up to more than an unsynchronised step; the
+point is their proportions. Then one generation runs under torch.profiler and the ops with the
+most self CPU time (and the ``aten::item`` / ``aten::_local_scalar_dense`` count: host reads of
+device values) are printed.
 
     python scripts/device/tree_profile.py --source /dev/shm/smol.gguf --tree dyn15d8k3
 """
