@@ -20,7 +20,7 @@ from flashspec.bandits.index import FixedArm
 from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
-from flashspec.graphs import GraphedStep
+from flashspec.graphs import GraphedStep, Prefill
 from flashspec.inputs import check_generate_inputs
 from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
@@ -147,6 +147,7 @@ class SpecEngine:
         self.step_runner: GraphedStep | None = None
         self.resident, self.chunk = resident, int(chunk)
         self.resident_loop: ResidentLoop | None = None
+        self.prefill: Prefill | None = None     # graphed prompt prefill of the static cache
         if resident:
             cannot = [d.name for d in self.drafters if not d.resident]
             if cannot:
@@ -180,7 +181,9 @@ class SpecEngine:
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(batch, capacity)
             self._retired_capture_s = self.capture_s
-            self.step_runner = self.resident_loop = None
+            self.step_runner = self.resident_loop = self.prefill = None
+        if (self.graphs or self.resident) and self.prefill is None:
+            self.prefill = Prefill(self.target, self.cache, self.graphs)
         if self.graphs and not self.resident and self.step_runner is None:
             self.step_runner = GraphedStep(self.target, self.cache, self.backend_impl, self.params,
                                            compile=self.compile)
@@ -195,7 +198,8 @@ class SpecEngine:
         width = max(state.lengths) - 1
         if width > 0:  # prefill everything but the last prompt token
             toks, pos = state.window([0] * batch, width)
-            hidden = self.target.forward_hidden(toks, pos, self.cache, span=width)
+            hidden = (self.prefill(toks, pos) if self.prefill is not None else
+                      self.target.forward_hidden(toks, pos, self.cache, span=width))
             state.set_hidden(hidden, [0] * batch, [n - 1 for n in state.lengths])
         return state
 
@@ -233,6 +237,7 @@ class SpecEngine:
         """CUDA-graph capture time spent by this engine so far (step runners and drafters)."""
         runner = self.step_runner.capture_s if self.step_runner is not None else 0.0
         runner += self.resident_loop.capture_s if self.resident_loop is not None else 0.0
+        runner += self.prefill.capture_s if self.prefill is not None else 0.0
         drafters = sum(d.capture_s for d in self.drafters)
         return self._retired_capture_s + runner + drafters
 

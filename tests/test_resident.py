@@ -15,6 +15,7 @@ from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter
 from flashspec.drafters.ngram import device_lookup, lookup
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
+from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
 from flashspec.verify import SamplingParams
@@ -95,6 +96,25 @@ def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
                 assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
                        [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
             assert [len(r.arms) for r in got] == [r.steps for r in got]
+
+
+def test_bucketed_prefill_keeps_the_prompts_states(small):
+    """The graph engines' prefill pads the window to a bucket: the prompt's hidden states and
+    cache slots equal the eager prefill's; the padding writes only slots past the prompt."""
+    model, prompts = small
+    n = len(prompts[1]) - 1
+    tokens, positions = torch.tensor([prompts[1][:-1]]), torch.arange(n)[None]
+    eager_cache, padded_cache = model.new_cache(1, 96), model.new_cache(1, 96)
+    with torch.inference_mode():
+        eager = model.forward_hidden(tokens, positions, eager_cache, span=n)
+        prefill = Prefill(model, padded_cache, capture=False, bucket=16)
+        padded = prefill(tokens, positions)
+    assert n % 16 and padded.shape == eager.shape
+    assert list(prefill.graphs.slots) == [(1, -(-n // 16) * 16)]
+    torch.testing.assert_close(padded, eager)
+    torch.testing.assert_close(padded_cache.k[..., :n, :], eager_cache.k[..., :n, :])
+    torch.testing.assert_close(padded_cache.v[..., :n, :], eager_cache.v[..., :n, :])
+    assert not padded_cache.k[..., -(-n // 16) * 16:, :].any()
 
 
 def test_resident_budget_and_max_new_tokens_one(small, drafters):
