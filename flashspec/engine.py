@@ -415,9 +415,9 @@ class SpecEngine:
                            domain: str | None, t0: float, capture0: float) -> BatchResult:
         """:meth:`generate` through the resident loop (see :mod:`flashspec.resident`)."""
         state = self._start(prompts, max_new_tokens)
-        for drafter in self.drafters:
-            drafter.resident_start(state)
         loop = self.resident_loop
+        for drafter in self.drafters:
+            drafter.resident_start(state, loop.capture)
         loop.state.load(state, max_new_tokens, self.seed, self.calls)
         batch = len(prompts)
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]

@@ -22,6 +22,8 @@ from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 
+PREFILL_BUCKET = 64   # prompt windows are padded to a multiple of this many tokens (one graph each)
+
 
 @dataclass
 class _Slot:
@@ -195,7 +197,8 @@ class Prefill:
     at the same time) and each call returns a copy of its hidden states.
     """
 
-    def __init__(self, target: LlamaLM, cache: KVCache, capture: bool, bucket: int = 64) -> None:
+    def __init__(self, target: LlamaLM, cache: KVCache, capture: bool,
+                 bucket: int = PREFILL_BUCKET) -> None:
         self.target, self.cache, self.bucket = target, cache, bucket
         capture = capture and target.device.type == "cuda"
         self.graphs = GraphCache(self._run, capture,

@@ -278,24 +278,28 @@ def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) 
     ``choose()`` gives (the arm of the next chunk, a tag kept in its snapshot);
     ``observe(snapshot, counters)`` hears each chunk's counters. The host waits on a chunk only
     after queueing the next one, so decisions take effect one chunk late and the device never
-    waits for the host. Near the end chunks shrink to the steps the budgets still need, so few
-    steps run past the last row's end (they commit nothing, but cost time).
+    waits for the host. Near the end chunks shrink to the steps the budgets still need, and
+    when the steps in flight should suffice the host launches nothing until it has read them:
+    a step past the last row's end commits nothing but costs a whole step, a short wait for
+    the host costs less.
     """
     pending: deque[Snapshot] = deque()
     launched, known = 0, None      # known: the counters of the last chunk the host has read
     read_at = 0                    # steps launched when that chunk was
     arm, tag = choose()
-    while launched < max_steps:
+    while launched < max_steps or pending:
         n = min(chunk, max_steps - launched)
         if known is not None:
-            n = max(1, min(n, steps_left(known) - (launched - read_at)))
-        start = loop.mark()
-        loop.launch(arm, n)
-        launched += n
-        pending.append(loop.snapshot(tag, n, start))
-        pending[-1].launched = launched
-        if loop.capture and len(pending) < 2 and launched < max_steps:
-            continue          # keep one chunk queued ahead of the one the host waits on
+            n = min(n, steps_left(known) - (launched - read_at))
+        if launched < max_steps and (n > 0 or not pending):
+            n = max(n, 1)
+            start = loop.mark()
+            loop.launch(arm, n)
+            launched += n
+            pending.append(loop.snapshot(tag, n, start))
+            pending[-1].launched = launched
+            if loop.capture and len(pending) < 2 and launched < max_steps:
+                continue          # keep one chunk queued ahead of the one the host waits on
         snap = pending.popleft()
         known, read_at = snap.wait(), snap.launched
         observe(snap, known)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flashspec.errors import FlashSpecError
-from flashspec.graphs import GraphCache
+from flashspec.graphs import PREFILL_BUCKET, GraphCache
 from flashspec.models.llama import LlamaLM
 from flashspec.options import DEFAULT, KernelOptions
 from flashspec.tree import TreeDraft, TreeShape
@@ -141,8 +141,9 @@ class Drafter(ABC):
     # (flashspec.resident): drafting as device ops over the device token buffer, no host state
     resident: bool = False    # whether the four methods below are implemented
 
-    def resident_start(self, state: DecodeState) -> None:
-        """After the target's prefill of ``state``: catch up on the prompts."""
+    def resident_start(self, state: DecodeState, capture: bool = False) -> None:
+        """After the target's prefill of ``state``: catch up on the prompts (``capture``: the
+        resident steps are CUDA graphs, so may this be)."""
 
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor
@@ -219,10 +220,24 @@ class GraphedDrafting:
         """Run the drafter over a window (its cache slots become valid); no drafting."""
         raise NotImplementedError
 
-    def resident_start(self, state: DecodeState) -> None:
-        width = max(state.lengths)
+    _start_graphs: GraphCache | None = None
+
+    def resident_start(self, state: DecodeState, capture: bool = False) -> None:
+        """Run the drafter over the prompts (its cache slots become valid). As with the
+        target's :class:`flashspec.graphs.Prefill`, the window is padded to a bucket of
+        ``PREFILL_BUCKET`` tokens (the padding writes only slots past the prompts, which the
+        steps rewrite before reading) and, with ``capture``, replayed as a CUDA graph per
+        (batch, bucket)."""
+        width = min(-(-max(state.lengths) // PREFILL_BUCKET) * PREFILL_BUCKET,
+                    state.tokens.shape[1])
         tokens, positions = state.window([0] * state.batch, width)
-        self._catch_up(tokens, positions, width)
+        key = (state.batch, width, self.resident_buffers())
+        graphs = self._start_graphs
+        if graphs is None or graphs.capture != capture or any(k[2] != key[2] for k in graphs.slots):
+            pool = torch.cuda.graph_pool_handle() if capture else None
+            graphs = self._start_graphs = GraphCache(
+                lambda k, t, p: self._catch_up(t, p, k[1]), capture, pool)
+        graphs(key, tokens, positions)
 
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor

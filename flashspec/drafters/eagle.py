@@ -198,9 +198,9 @@ class EagleDrafter(GraphedDrafting, Drafter):
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
     # ------------------------------------------------------------------ resident loop
-    def resident_start(self, state: DecodeState) -> None:
+    def resident_start(self, state: DecodeState, capture: bool = False) -> None:
         self._absorb(state)
-        super().resident_start(state)
+        super().resident_start(state, capture)
 
     def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
         feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))

@@ -89,6 +89,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     stream = row * 64 + step) instead of ``generator``: no torch RNG state, so a CUDA graph can
     replay it with a new seed."""
     if params.greedy:
+        if logits.is_cuda:
+            from flashspec.argmax import row_argmax    # triton only on a GPU
+            return row_argmax(logits), None
         return logits.argmax(dim=-1), None
     logp = warp_logprobs(logits, params)
     flat = logp.reshape(-1, logp.shape[-1])

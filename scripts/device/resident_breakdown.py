@@ -95,7 +95,7 @@ def main() -> None:
             sync()
             t1 = time.perf_counter()
             for d in e.drafters:
-                d.resident_start(state)
+                d.resident_start(state, e.resident_loop.capture)
             sync()
             t2 = time.perf_counter()
             e.resident_loop.state.load(state, a.new, 0, 0)
