@@ -1,10 +1,15 @@
-"""Row argmax over a wide vocabulary in two small Triton kernels (greedy drafting on a GPU).
+"""Row argmax and counter-based Gumbel-max draws over a wide vocabulary, in two small Triton
+kernels (drafting on a GPU).
 
-``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction: about 13 µs on
-an H200, the slowest kernel of an EAGLE draft pass. Here every program reduces one block of
-``BLOCK`` columns of a row to its (max, first index of the max), and a second kernel reduces a
-row's blocks. Ties go to the smallest index, as with ``torch.argmax``; the result is clamped
-into [0, V), so a NaN row cannot yield an out-of-range token id.
+``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction, about 13 µs on
+an H200: the slowest kernel of a greedy EAGLE draft pass. A sampled draft was worse: the
+counter-based uniforms of :mod:`flashspec.verify.rng` cost a dozen int64 element-wise kernels
+over the row, then two logs, a subtraction and the argmax. Here every program reduces one block
+of ``BLOCK`` columns of a row to its (max, first index of the max), computing the Gumbel keys
+on the fly, and a second kernel reduces a row's blocks. Ties go to the smallest index, as with
+``torch.argmax``; the result is clamped into [0, V), so a NaN row cannot yield an out-of-range
+token id. The draws are bit for bit those of :func:`flashspec.verify.sampling.sample`'s
+torch path (same uniforms, same float32 operations in the same order).
 """
 from __future__ import annotations
 
@@ -13,16 +18,23 @@ import triton
 import triton.language as tl
 
 from flashspec.options import interpreted
+from flashspec.verify.triton_kernels import _load_seed, _log, _stream_key, _uniform
 
 BLOCK = 1024
+STREAMS_PER_ROW = 64   # a draw's stream is row * 64 + step (step: the draft's index in its chain)
 
 
 @triton.jit
-def _block_max_kernel(x_ptr, val_ptr, idx_ptr, V, n_blocks, BLOCK: tl.constexpr):
+def _block_max_kernel(x_ptr, val_ptr, idx_ptr, seed_ptr, V, n_blocks, inv_t, step,
+                      GUMBEL: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + row * V + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+    if GUMBEL:   # x / T - log(-log u): a draw from softmax(x / T) by Gumbel-max
+        key = _stream_key(_load_seed(seed_ptr, 0, True), row * 64 + step, INTERPRET)
+        u = _uniform(key, cols, INTERPRET)
+        x = x * inv_t - _log(-_log(u, INTERPRET), INTERPRET)
     m = tl.max(x, axis=0)
     first = tl.min(tl.where(x == m, cols, V), axis=0)
     tl.store(val_ptr + row * n_blocks + blk, m)
@@ -40,11 +52,20 @@ def _row_max_kernel(val_ptr, idx_ptr, out_ptr, V, n_blocks, NB: tl.constexpr):
     tl.store(out_ptr + row, tl.minimum(best, V - 1).to(tl.int64))
 
 
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` (int64, first index of the max) of ``x`` [..., V] on CUDA (or on a CPU
-    under Triton's interpreter); other CPU tensors take ``torch.argmax``."""
-    if not (x.is_cuda or interpreted(_block_max_kernel)):
-        return x.argmax(dim=-1)
+INTERPRET = interpreted(_block_max_kernel)   # how the kernels were built (not a switch)
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether the kernels take ``x``: CUDA tensors, or CPU ones under Triton's interpreter."""
+    return x.is_cuda or INTERPRET
+
+
+def inverse_temperature(temperature: float) -> float:
+    """1 / T rounded to float32 once: both draw paths scale the logits by this one number."""
+    return float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+
+
+def _reduce(x: torch.Tensor, seed: torch.Tensor | None, inv_t: float, step: int) -> torch.Tensor:
     shape, vocab = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, vocab).contiguous()
     rows, n_blocks = flat.shape[0], triton.cdiv(vocab, BLOCK)
@@ -52,7 +73,22 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(rows, n_blocks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.long, device=x.device)
     if rows:
-        _block_max_kernel[(rows, n_blocks)](flat, vals, idx, vocab, n_blocks, BLOCK=BLOCK)
+        seed_t = seed if seed is not None else out   # a valid pointer the kernel never reads
+        _block_max_kernel[(rows, n_blocks)](flat, vals, idx, seed_t, vocab, n_blocks, inv_t, step,
+                                            GUMBEL=seed is not None, BLOCK=BLOCK,
+                                            INTERPRET=INTERPRET)
         _row_max_kernel[(rows,)](vals, idx, out, vocab, n_blocks,
                                  NB=triton.next_power_of_2(n_blocks))
     return out.reshape(shape)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` (int64, first index of the max) of ``x`` [..., V]."""
+    return _reduce(x, None, 1.0, 0)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: torch.Tensor, step: int
+                  ) -> torch.Tensor:
+    """One draw per row of ``logits`` [..., V] from softmax(logits / T): the argmax of
+    logits * (1/T) - log(-log u) with u = rng.uniform(seed, row * 64 + step, column)."""
+    return _reduce(logits, seed, inverse_temperature(temperature), step)

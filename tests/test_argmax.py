@@ -1,11 +1,14 @@
-"""The Triton row argmax of greedy drafting (interpreter on CPU) against ``torch.argmax``."""
+"""The Triton row argmax and Gumbel-max draws of drafting (interpreter on CPU) against
+``torch.argmax`` and the torch form of the counter-based draw."""
 from __future__ import annotations
 
-import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
+from scipy import stats as sps
 
-from flashspec.argmax import row_argmax
+from flashspec.argmax import gumbel_argmax, row_argmax
+from flashspec.verify.sampling import SamplingParams, gumbel_draw
 
 
 @settings(max_examples=40, deadline=None)
@@ -31,3 +34,34 @@ def test_row_argmax_keeps_leading_shape_and_stays_in_range():
 
 def test_row_argmax_of_no_rows():
     assert row_argmax(torch.zeros(0, 10)).shape == (0,)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(2, 2500), seed=st.integers(0, 2**40),
+       step=st.integers(0, 7), temperature=st.sampled_from([0.3, 0.7, 1.0, 1.9]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_gumbel_kernel_draws_the_torch_paths_tokens(rows, vocab, seed, step, temperature, dtype):
+    """Same uniforms, same float32 operations: the kernel's draw is the torch path's token."""
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed % 997)) * 3
+              ).to(dtype)
+    s = torch.tensor(seed)
+    want = gumbel_draw(logits, SamplingParams(temperature=temperature), s, step)
+    assert torch.equal(gumbel_argmax(logits, temperature, s, step), want)
+
+
+def test_gumbel_draws_follow_the_softmax_and_a_planted_bug_fails():
+    """χ² of 4,000 draws (4,000 rows, one seed) against softmax(x / T), on the torch form of
+    the draw (the kernel's tokens equal it, above; the interpreter would run 4,000 programs);
+    the same draws without the temperature (a planted bug) fail the same test."""
+    vocab, n, t = 12, 4000, 0.6
+    x = torch.linspace(-2.0, 2.0, vocab)
+    probs = torch.softmax(x / t, -1).numpy()
+    logits = x.expand(n, vocab).contiguous()
+
+    def p_value(temperature: float) -> float:
+        tokens = gumbel_draw(logits, SamplingParams(temperature=temperature), torch.tensor(11), 0)
+        counts = np.bincount(tokens.numpy(), minlength=vocab)
+        return float(sps.chisquare(counts, probs * n).pvalue)
+
+    assert p_value(t) > 1e-3
+    assert p_value(1.0) < 1e-6

@@ -178,14 +178,15 @@ def test_sampling_params_reject(kw):
 
 
 def test_smallest_temperature_stays_finite_in_every_dtype():
-    from flashspec.verify.sampling import T_MIN, SamplingParams, sample
+    from flashspec.verify.sampling import T_MIN, SamplingParams, sample, warp_logprobs
     params = SamplingParams(temperature=T_MIN, top_k=3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 1e4)
         logits = logits.to(dtype)
-        tok, logp = sample(logits, params, torch.Generator().manual_seed(1))
-        assert torch.isfinite(logp.exp().sum(-1)).all()
-        assert torch.equal(tok, logits.float().argmax(-1))          # greedy-equivalent
+        assert torch.isfinite(warp_logprobs(logits, params).exp().sum(-1)).all()
+        for seed in (None, torch.tensor(5)):       # multinomial and counter-based Gumbel-max
+            tok = sample(logits, params, torch.Generator().manual_seed(1), seed)
+            assert torch.equal(tok, logits.float().argmax(-1))      # greedy-equivalent
 
 
 @pytest.mark.parametrize("prompts, match", [

@@ -189,7 +189,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         drafts, draft_logits = [], []
         for i in range(gamma):
             logits = self._scaled(self.head(h))   # q is what was sampled from: still exact
-            tok = sample(logits, params, generator, seed, i)[0]
+            tok = sample(logits, params, generator, seed, i)
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:

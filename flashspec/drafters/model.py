@@ -97,7 +97,7 @@ class ModelDrafter(GraphedDrafting, Drafter):
         logits = self._step(tokens, positions, span, last_idx)
         drafts, draft_logits = [], []
         for i in range(gamma):
-            tok = sample(logits, params, generator, seed, i)[0]
+            tok = sample(logits, params, generator, seed, i)
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:

@@ -62,12 +62,17 @@ def warp_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if not params.greedy:
         x = x / params.temperature
+    return torch.log_softmax(_mask_warps(x, params), dim=-1)
+
+
+def _mask_warps(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with the tokens top-k and top-p drop set to -inf."""
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         x = _mask_top_p(x, params.top_p)
-    return torch.log_softmax(x, dim=-1)
+    return x
 
 
 def _mask_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -81,26 +86,36 @@ def _mask_top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           seed: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample one token per row of ``logits`` [..., V]; returns (tokens, warped logprobs), the
-    logprobs None when greedy (the argmax of the raw logits: no softmax on the drafting path).
+           seed: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
+    """One token per row of ``logits`` [..., V] drawn from warp(logits); greedy: the argmax.
 
     With a device ``seed`` the draw is Gumbel-max over counter-based uniforms of (seed,
-    stream = row * 64 + step) instead of ``generator``: no torch RNG state, so a CUDA graph can
-    replay it with a new seed."""
+    stream = row * 64 + step), argmax of x * (1/T) - log(-log u) over the top-k/top-p masked
+    logits x, instead of ``generator``: no torch RNG state, so a CUDA graph can replay it with
+    a new seed. On a GPU the argmax and, without top-k/top-p, the whole draw run as the Triton
+    kernels of :mod:`flashspec.argmax` (the same bits)."""
     if params.greedy:
         if logits.is_cuda:
             from flashspec.argmax import row_argmax    # triton only on a GPU
-            return row_argmax(logits), None
-        return logits.argmax(dim=-1), None
-    logp = warp_logprobs(logits, params)
-    flat = logp.reshape(-1, logp.shape[-1])
+            return row_argmax(logits)
+        return logits.argmax(dim=-1)
     if seed is None:
-        tok = torch.multinomial(flat.exp(), 1, generator=generator)
-    else:
-        from flashspec.verify import rng
-        rows = torch.arange(flat.shape[0], device=flat.device)
-        u = rng.uniform(seed, rows[:, None] * 64 + step,
-                        torch.arange(flat.shape[1], device=flat.device))
-        tok = (flat - torch.log(-torch.log(u))).argmax(dim=-1)
-    return tok.reshape(logp.shape[:-1]), logp
+        logp = warp_logprobs(logits, params)
+        flat = logp.reshape(-1, logp.shape[-1])
+        return torch.multinomial(flat.exp(), 1, generator=generator).reshape(logp.shape[:-1])
+    if logits.is_cuda and not params.top_k and params.top_p >= 1.0:
+        from flashspec.argmax import gumbel_argmax
+        return gumbel_argmax(logits, params.temperature, seed, step)
+    return gumbel_draw(logits, params, seed, step)
+
+
+def gumbel_draw(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, step: int
+                ) -> torch.Tensor:
+    """The torch form of ``sample``'s counter-based draw (any warp)."""
+    from flashspec.verify import rng
+    x = logits.float() * float(torch.tensor(1.0 / params.temperature, dtype=torch.float32))
+    x = _mask_warps(x, params)
+    flat = x.reshape(-1, x.shape[-1])
+    rows = torch.arange(flat.shape[0], device=flat.device)
+    u = rng.uniform(seed, rows[:, None] * 64 + step, torch.arange(flat.shape[1], device=flat.device))
+    return (flat - torch.log(-torch.log(u))).argmax(dim=-1).reshape(x.shape[:-1])

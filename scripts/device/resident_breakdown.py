@@ -14,7 +14,8 @@ For each prompt (drawn with ``--seed``) and method, after a warm-up of every pro
 
 ``total - setup - steps_launched * replay_ms`` is what the host adds while driving the loop.
 
-    python scripts/device/resident_breakdown.py --gguf /dev/shm/smol.gguf --n 8 --seed 515
+    python scripts/device/resident_breakdown.py --gguf /dev/shm/smol.gguf --n 8 --seed 515 \
+        [--dataset mtbench] [--temperature 1.0] [--gammas 0,3,4]
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from flashspec.engine import Arm, SpecEngine
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
 from flashspec.resident import ResidentLoop
-from flashspec.verify import get_backend
+from flashspec.verify import SamplingParams, get_backend
 
 from resident_bench import drafter
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--seed", type=int, default=515)
     ap.add_argument("--gammas", default="0,3,4")
+    ap.add_argument("--temperature", type=float, default=0.0)
     a = ap.parse_args()
     model, tok = load_model(a.gguf, dtype="bfloat16", device="cuda")
     model = fuse_model(model.eval(), True)
@@ -78,7 +80,8 @@ def main() -> None:
         arm = Arm(eagle, g) if g else Arm(None, 0)
         key = (eagle, g) if g else (None, 0)
         e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
-                       eos_ids=[tok.eos_token_id], seed=0)
+                       eos_ids=[tok.eos_token_id], seed=0,
+                       params=SamplingParams(temperature=a.temperature))
         for p in prompts:
             e.generate([p], 4, seed=1)
         sync()
@@ -110,7 +113,7 @@ def main() -> None:
                              tokens=len(r.tokens), prompt=len(p)))
         agg = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0]}
         host = agg["total_ms"] - agg["setup_ms"] - agg["steps_launched"] * agg["replay_ms"]
-        print(json.dumps(dict(gamma=g, **agg, host_ms=round(host, 2),
+        print(json.dumps(dict(dataset=a.dataset, temperature=a.temperature, gamma=g, **agg, host_ms=round(host, 2),
                               tps=round(sum(r["tokens"] for r in rows)
                                         / sum(r["total_ms"] for r in rows) * 1e3, 1))), flush=True)
 
