@@ -12,6 +12,7 @@ a side stream (they compute exactly what the replay will, so they are harmless).
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -137,8 +138,17 @@ def capture(run: Callable[[], Any], pool: Any = None) -> tuple[torch.cuda.CUDAGr
             run()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = run()
+    # torch.cuda.graph collects garbage on entry; no collection may run inside the capture: a
+    # collected graph of an earlier engine would free its memory pool mid-capture, which
+    # invalidates the capture (seen on the H200 when engines of one process come and go)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = run()
+    finally:
+        if collecting:
+            gc.enable()
     torch.cuda.synchronize()
     return graph, outputs
 

@@ -269,7 +269,7 @@ def steps_left(counters: dict[str, list[int]]) -> int:
         return 0
     steps = sum(counters["steps"])
     per_step = (sum(counters["accepted"]) + steps) / steps if steps else 1.0
-    return -(-max(live) // max(per_step, 1.0))
+    return int(-(-max(live) // max(per_step, 1.0)))
 
 
 def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) -> None:

@@ -18,6 +18,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
+from flashspec.resident import Snapshot, run_chunks
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from test_exactness_engine import EAGLE
@@ -187,3 +188,41 @@ def test_resident_flags_nan_logits(small, drafters):
             engine.generate(prompts[:1], 4)
     finally:
         model.lm_head.weight.data[0, 0] = saved
+
+
+class _ScriptedLoop:
+    """The driving surface of a captured ResidentLoop (one row emitting ``per_step`` tokens a
+    step up to its budget), to check run_chunks' schedule without a GPU."""
+
+    capture = True
+
+    def __init__(self, budget: int, per_step: int) -> None:
+        self.left, self.per_step, self.live_steps, self.launched = budget, per_step, 0, []
+
+    def mark(self) -> float:
+        return 0.0
+
+    def launch(self, arm, n_steps: int) -> None:
+        assert isinstance(n_steps, int) and n_steps >= 1
+        self.launched.append(n_steps)
+        for _ in range(n_steps):
+            if self.left > 0:
+                self.live_steps += 1
+                self.left -= min(self.per_step, self.left)
+
+    def snapshot(self, tag, n_steps: int, start: float) -> Snapshot:
+        emitted = 128 - self.left
+        row = [self.live_steps, 0, emitted - self.live_steps, 0, emitted, self.left,
+               int(self.left <= 0), 0]
+        return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)
+
+
+@pytest.mark.parametrize("per_step", [1, 3, 5])
+def test_run_chunks_launches_whole_steps_and_few_past_the_end(per_step):
+    """Chunks are whole step counts, and with the host a chunk behind, at most one chunk of
+    steps runs past the row's end."""
+    loop, seen = _ScriptedLoop(128, per_step), []
+    run_chunks(loop, lambda: (("arm", 1), None), lambda snap, now: seen.append(now), 128, 2)
+    needed = -(-128 // per_step)
+    assert loop.left == 0 and seen[-1]["finished"] == [1]
+    assert needed <= sum(loop.launched) <= needed + 2
