@@ -21,7 +21,6 @@ from flashspec.options import interpreted
 from flashspec.verify.triton_kernels import _load_seed, _log, _stream_key, _uniform
 
 BLOCK = 1024
-STREAMS_PER_ROW = 64   # a draw's stream is row * 64 + step (step: the draft's index in its chain)
 
 
 @triton.jit
@@ -55,16 +54,6 @@ def _row_max_kernel(val_ptr, idx_ptr, out_ptr, V, n_blocks, NB: tl.constexpr):
 INTERPRET = interpreted(_block_max_kernel)   # how the kernels were built (not a switch)
 
 
-def runs_here(x: torch.Tensor) -> bool:
-    """Whether the kernels take ``x``: CUDA tensors, or CPU ones under Triton's interpreter."""
-    return x.is_cuda or INTERPRET
-
-
-def inverse_temperature(temperature: float) -> float:
-    """1 / T rounded to float32 once: both draw paths scale the logits by this one number."""
-    return float(torch.tensor(1.0 / temperature, dtype=torch.float32))
-
-
 def _reduce(x: torch.Tensor, seed: torch.Tensor | None, inv_t: float, step: int) -> torch.Tensor:
     shape, vocab = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, vocab).contiguous()
@@ -87,8 +76,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return _reduce(x, None, 1.0, 0)
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: float, seed: torch.Tensor, step: int
+def gumbel_argmax(logits: torch.Tensor, inv_t: float, seed: torch.Tensor, step: int
                   ) -> torch.Tensor:
-    """One draw per row of ``logits`` [..., V] from softmax(logits / T): the argmax of
-    logits * (1/T) - log(-log u) with u = rng.uniform(seed, row * 64 + step, column)."""
-    return _reduce(logits, seed, inverse_temperature(temperature), step)
+    """One draw per row of ``logits`` [..., V] from softmax(logits · inv_t): the argmax of
+    logits * inv_t - log(-log u) with u = rng.uniform(seed, row * 64 + step, column)
+    (``inv_t``: :func:`flashspec.verify.sampling.inverse_temperature`)."""
+    return _reduce(logits, seed, inv_t, step)

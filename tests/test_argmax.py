@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
 from flashspec.argmax import gumbel_argmax, row_argmax
-from flashspec.verify.sampling import SamplingParams, gumbel_draw
+from flashspec.verify.sampling import SamplingParams, gumbel_draw, inverse_temperature
 
 
 @settings(max_examples=40, deadline=None)
@@ -46,7 +46,7 @@ def test_gumbel_kernel_draws_the_torch_paths_tokens(rows, vocab, seed, step, tem
               ).to(dtype)
     s = torch.tensor(seed)
     want = gumbel_draw(logits, SamplingParams(temperature=temperature), s, step)
-    assert torch.equal(gumbel_argmax(logits, temperature, s, step), want)
+    assert torch.equal(gumbel_argmax(logits, inverse_temperature(temperature), s, step), want)
 
 
 def test_gumbel_draws_follow_the_softmax_and_a_planted_bug_fails():

@@ -105,15 +105,21 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return torch.multinomial(flat.exp(), 1, generator=generator).reshape(logp.shape[:-1])
     if logits.is_cuda and not params.top_k and params.top_p >= 1.0:
         from flashspec.argmax import gumbel_argmax
-        return gumbel_argmax(logits, params.temperature, seed, step)
+        return gumbel_argmax(logits, inverse_temperature(params.temperature), seed, step)
     return gumbel_draw(logits, params, seed, step)
+
+
+def inverse_temperature(temperature: float) -> float:
+    """1 / T rounded to float32 once: both forms of the counter-based draw scale the logits by
+    this one number (torch's CUDA kernels divide by a scalar that way too)."""
+    return float(torch.tensor(1.0 / temperature, dtype=torch.float32))
 
 
 def gumbel_draw(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, step: int
                 ) -> torch.Tensor:
     """The torch form of ``sample``'s counter-based draw (any warp)."""
     from flashspec.verify import rng
-    x = logits.float() * float(torch.tensor(1.0 / params.temperature, dtype=torch.float32))
+    x = logits.float() * inverse_temperature(params.temperature)
     x = _mask_warps(x, params)
     flat = x.reshape(-1, x.shape[-1])
     rows = torch.arange(flat.shape[0], device=flat.device)
