@@ -26,6 +26,11 @@ from flashspec.verify.sampling import SamplingParams
 PREFILL_BUCKET = 64   # prompt windows are padded to a multiple of this many tokens (one graph each)
 
 
+def bucketed(width: int, limit: int, bucket: int = PREFILL_BUCKET) -> int:
+    """``width`` rounded up to a multiple of ``bucket`` tokens, at most ``limit``."""
+    return min(-(-width // bucket) * bucket, limit)
+
+
 @dataclass
 class _Slot:
     """Static inputs and outputs of one captured shape."""
@@ -221,7 +226,7 @@ class Prefill:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [B, w, d] of the window ``tokens`` at ``positions`` [B, w]."""
         batch, width = tokens.shape
-        padded = min(-(-width // self.bucket) * self.bucket, self.cache.capacity)
+        padded = bucketed(width, self.cache.capacity, self.bucket)
         if padded > width:
             more = positions[:, -1:] + torch.arange(1, padded - width + 1, device=positions.device)
             positions = torch.cat([positions, more.clamp(max=self.cache.capacity - 1)], dim=1)

@@ -197,7 +197,8 @@ class _ScriptedLoop:
     capture = True
 
     def __init__(self, budget: int, per_step: int) -> None:
-        self.left, self.per_step, self.live_steps, self.launched = budget, per_step, 0, []
+        self.budget, self.left, self.per_step = budget, budget, per_step
+        self.live_steps, self.launched = 0, []
 
     def mark(self) -> float:
         return 0.0
@@ -211,7 +212,7 @@ class _ScriptedLoop:
                 self.left -= min(self.per_step, self.left)
 
     def snapshot(self, tag, n_steps: int, start: float) -> Snapshot:
-        emitted = 128 - self.left
+        emitted = self.budget - self.left
         row = [self.live_steps, 0, emitted - self.live_steps, 0, emitted, self.left,
                int(self.left <= 0), 0]
         return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flashspec.errors import FlashSpecError
-from flashspec.graphs import PREFILL_BUCKET, GraphCache
+from flashspec.graphs import GraphCache, bucketed
 from flashspec.models.llama import LlamaLM
 from flashspec.options import DEFAULT, KernelOptions
 from flashspec.tree import TreeDraft, TreeShape
@@ -225,11 +225,10 @@ class GraphedDrafting:
     def resident_start(self, state: DecodeState, capture: bool = False) -> None:
         """Run the drafter over the prompts (its cache slots become valid). As with the
         target's :class:`flashspec.graphs.Prefill`, the window is padded to a bucket of
-        ``PREFILL_BUCKET`` tokens (the padding writes only slots past the prompts, which the
+        ``graphs.PREFILL_BUCKET`` tokens (the padding writes only slots past the prompts, which the
         steps rewrite before reading) and, with ``capture``, replayed as a CUDA graph per
         (batch, bucket)."""
-        width = min(-(-max(state.lengths) // PREFILL_BUCKET) * PREFILL_BUCKET,
-                    state.tokens.shape[1])
+        width = bucketed(max(state.lengths), state.tokens.shape[1])
         tokens, positions = state.window([0] * state.batch, width)
         key = (state.batch, width, self.resident_buffers())
         graphs = self._start_graphs
