@@ -123,5 +123,6 @@ def gumbel_draw(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor
     x = _mask_warps(x, params)
     flat = x.reshape(-1, x.shape[-1])
     rows = torch.arange(flat.shape[0], device=flat.device)
-    u = rng.uniform(seed, rows[:, None] * 64 + step, torch.arange(flat.shape[1], device=flat.device))
+    cols = torch.arange(flat.shape[1], device=flat.device)
+    u = rng.uniform(seed, rows[:, None] * 64 + step, cols)
     return (flat - torch.log(-torch.log(u))).argmax(dim=-1).reshape(x.shape[:-1])
