@@ -121,9 +121,6 @@ class SpecEngine:
             if arm.tree is not None and self.backend_impl.verify_tree is None:
                 raise FlashSpecError(f"arm {arm.name}: verify backend "
                                      f"{self.backend_impl.name!r} cannot verify trees")
-            if arm.tree is not None and resident:
-                raise FlashSpecError(f"arm {arm.name}: draft trees do not run in the resident "
-                                     "loop yet; use hardware.resident_loop=false")
         self.target, self.arms, self.params = target, list(arms), params
         self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
         self.policy = policy if policy is not None else FixedArm(len(self.arms))
@@ -213,16 +210,23 @@ class SpecEngine:
             if gammas:
                 drafter.prepare_graphs(batch, max(gammas), self.params, self.target.device, capture)
 
-    def _resident_arms(self) -> list[tuple[Drafter | None, int]]:
-        """Every (drafter, γ') step the resident loop may launch (the planner: any γ' <= γ)."""
+    def _resident_arms(self) -> list[tuple]:
+        """Every step the resident loop may launch: (drafter, γ') chains (the planner: any
+        γ' <= γ), (drafter, depth, shape) trees, (None, 0) plain target steps."""
         arms: dict = {}
         for arm in self.arms:
             if arm.drafter is None or arm.gamma == 0 or self.planner is not None:
                 arms[(None, 0)] = None
-            if arm.drafter is not None:
+            if arm.tree is not None:
+                arms[self._tree_key(arm)] = None
+            elif arm.drafter is not None:
                 for g in (range(1, arm.gamma + 1) if self.planner is not None else [arm.gamma]):
                     arms[(arm.drafter, g)] = None
         return list(arms)
+
+    @staticmethod
+    def _tree_key(arm: Arm) -> tuple:
+        return (arm.drafter, arm.gamma, arm.tree)
 
     def _prepare_resident(self, batch: int) -> None:
         """The resident loop of this cache, its steps captured before the prefill."""
@@ -429,14 +433,19 @@ class SpecEngine:
         last["budgets"] = [max_new_tokens] * batch
         t_decode = time.perf_counter()
 
-        def choose() -> tuple[tuple[Drafter | None, int], tuple[int, int, dict]]:
+        def choose() -> tuple[tuple, tuple[int, int, dict]]:
             context = {"step": len(step_s), "domain": domain}
             arm_id = self.policy.select(context)
             arm = self.arms[arm_id]
             k = arm.gamma if arm.drafter is not None else 0
             if self.planner is not None and k:
                 live = [0 if f else b for f, b in zip(last["finished"], last["budgets"])]
-                k = self.planner.plan(arm.gamma, [arm.gamma if n else 0 for n in live], live)
+                if arm.tree is not None:     # all or nothing, as in the reference loop
+                    k = k if self.planner.plan_tree(arm.tree.label, live) else 0
+                else:
+                    k = self.planner.plan(arm.gamma, [arm.gamma if n else 0 for n in live], live)
+            if k and arm.tree is not None:
+                return self._tree_key(arm), (arm_id, k, context)
             return (arm.drafter if k else None, k), (arm_id, k, context)
 
         def observe(snap: Snapshot, now: dict[str, list[int]]) -> None:
@@ -448,7 +457,11 @@ class SpecEngine:
             arm_id, k, context = snap.tag
             seconds = snap.seconds()
             step_s.extend([seconds / snap.n_steps] * n_live)
-            if self.planner is not None and self.arms[arm_id].drafter is not None:
+            tree = self.arms[arm_id].tree
+            if self.planner is not None and tree is not None and k:
+                self.planner.observe_tree_counts(tree.label, seconds / snap.n_steps,
+                                                 sum(delta["accepted"]), sum(delta["steps"]))
+            elif self.planner is not None and self.arms[arm_id].drafter is not None:
                 tries = [a + s - f for a, s, f in zip(delta["accepted"], delta["steps"], delta["full"])]
                 self.planner.observe_counts(k, seconds / snap.n_steps,
                                             delta["accepted"] if k else [0] * batch,

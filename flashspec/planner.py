@@ -141,10 +141,16 @@ class WidthPlanner:
 
     def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
         """One tree step: its wall time and the accepted path length of every live row."""
+        n = [a for a, on in zip(accepted, live) if on]
+        self.observe_tree_counts(label, step_s, sum(n), len(n))
+
+    def observe_tree_counts(self, label: str, step_s: float, accepted: int, row_steps: int
+                            ) -> None:
+        """Tree steps at once (the resident loop's chunks): the mean step time, the accepted
+        drafts and the live row-steps summed over them."""
         self._measured(self.tree_cost, self.tree_seen, label, step_s)
         acc, steps = self.tree_gain.get(label, (0.0, 0.0))
-        n = [a for a, on in zip(accepted, live) if on]
-        self.tree_gain[label] = (self.decay * acc + sum(n), self.decay * steps + len(n))
+        self.tree_gain[label] = (self.decay * acc + accepted, self.decay * steps + row_steps)
 
     def observe(self, k: int, step_s: float | None, real: list[int], accepted: list[int],
                 live: list[bool]) -> None:

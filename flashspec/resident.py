@@ -14,6 +14,12 @@ a pure device function of it:
 3. commit: accepted tokens are scattered into the buffer, clipped at EOS and at each row's
    budget; lengths, budgets, finished flags and the acceptance counters advance in place.
 
+A draft-tree arm (drafter, depth, shape) follows the same three steps with a tree: the drafter
+grows it from the same kind of fixed window (children of sampled nodes drawn from counter-based
+streams of the step's seed), the target scores every node in one pass over the whole cache
+(tree attention), the backend's ``verify_tree`` walks it, and the accepted path's K/V entries
+move into place before the commit.
+
 With ``capture`` (CUDA) every arm's step is one CUDA graph, replayed back to back in chunks;
 after each chunk the counters are copied asynchronously into pinned host memory with an event,
 and the host waits on a chunk only once the next one is queued, so the GPU never idles on the
@@ -35,12 +41,14 @@ from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.tree import TreeShape, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream
+StepKey = tuple   # (drafter or None, γ) or (drafter, depth, TreeShape): one kind of step
 COUNTERS = ("steps", "proposed", "accepted", "full", "lengths", "budgets", "finished", "bad")
 
 
@@ -119,13 +127,14 @@ class ResidentLoop:
     """Device-resident steps of a set of arms for one (batch, cache): ``load`` a prefilled
     batch, ``launch(arm, n)`` steps of an arm, ``snapshot()`` the counters without a stall.
 
-    An arm key is (drafter or None, γ); γ = 0 (or no drafter) is a plain target step.
+    An arm key is (drafter or None, γ) or (drafter, depth, tree shape); γ = 0 (or no drafter)
+    is a plain target step.
     """
 
     def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
                  eos_ids: Sequence[int], batch: int, gamma_max: int, capture: bool) -> None:
         self.target, self.cache, self.params = target, cache, params
-        self.verify = backend.verify
+        self.verify, self.verify_tree = backend.verify, backend.verify_tree
         dev = target.device
         self.capture = capture and dev.type == "cuda"
         if self.capture and not backend.fuses_in_graph(params):
@@ -144,7 +153,7 @@ class ResidentLoop:
         self._next = 0
 
     # ------------------------------------------------------------------ graphs
-    def prepare(self, arms: Sequence[tuple[Drafter | None, int]]) -> None:
+    def prepare(self, arms: Sequence[StepKey]) -> None:
         """Capture every arm's step (before the prefill: the warm-up steps write cache slots of
         a dummy batch, which the prompts rewrite before any query attends them)."""
         if not self.capture:
@@ -163,9 +172,9 @@ class ResidentLoop:
             self.capture_s += time.perf_counter() - t0
 
     @staticmethod
-    def _key(arm: tuple[Drafter | None, int]) -> Hashable:
-        drafter, gamma = arm
-        return (None, 0) if drafter is None or gamma == 0 else (id(drafter), gamma)
+    def _key(arm: StepKey) -> Hashable:
+        drafter, gamma, *tree = arm
+        return (None, 0) if drafter is None or gamma == 0 else (id(drafter), gamma, *tree)
 
     @staticmethod
     def _signature(drafter: Drafter | None) -> tuple:
@@ -173,11 +182,14 @@ class ResidentLoop:
         return () if drafter is None else drafter.resident_buffers()
 
     # ------------------------------------------------------------------ one step
-    def step(self, drafter: Drafter | None, gamma: int) -> None:
+    def step(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None) -> None:
         """One draft → verify → commit step of every row, as device ops only."""
         s, target = self.state, self.target
         lengths = s.lengths
         verify_seed = rng.mix32((s.seed * rng.GOLDEN + s.calls * rng.MUL_A) & rng.MASK32)
+        if tree is not None and drafter is not None:
+            self._tree_step(drafter, tree, verify_seed)
+            return
         if drafter is None or gamma == 0:
             gamma = 0
             drafts, q, real = lengths.new_zeros(lengths.shape[0], 0), None, None
@@ -192,6 +204,25 @@ class ResidentLoop:
         if drafter is not None and gamma:
             drafter.resident_absorb(hidden, lengths)
         self._commit(out, n_acc, gamma, real)
+        s.calls.add_(1)
+
+    def _tree_step(self, drafter: Drafter, shape: TreeShape, verify_seed: torch.Tensor) -> None:
+        """A draft tree of every row scored in one target forward over the whole cache (tree
+        attention, nodes in their own slots), verified by the backend's ``verify_tree``; the
+        accepted path's K/V move into place and its features go to the drafter."""
+        s, lengths, depth = self.state, self.state.lengths, shape.max_depth
+        tree = drafter.resident_tree(s.tokens, lengths, shape, self.params,
+                                     verify_seed ^ DRAFT_STREAM)
+        positions, attention = tree_attention(tree, lengths, self.cache.capacity)
+        hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, tree=attention)
+        out, n_acc, path = self.verify_tree(self.target.logits(hidden), tree, self.params,
+                                            verify_seed, depth=depth)
+        dst = lengths[:, None] + self.cols[:depth]
+        self.cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
+        cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
+        drafter.resident_absorb(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])),
+                                lengths)
+        self._commit(out, n_acc, depth, None)
         s.calls.add_(1)
 
     def _commit(self, out: torch.Tensor, n_acc: torch.Tensor, gamma: int,
@@ -223,7 +254,7 @@ class ResidentLoop:
         s.bad.logical_or_((n_acc < 0) & live)
 
     # ------------------------------------------------------------------ driving
-    def launch(self, arm: tuple[Drafter | None, int], n_steps: int) -> None:
+    def launch(self, arm: StepKey, n_steps: int) -> None:
         """Run ``n_steps`` steps of ``arm`` (graph replays when captured)."""
         entry = self.graphs.get(self._key(arm))
         if entry is not None and entry[1] != self._signature(arm[0]):

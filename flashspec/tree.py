@@ -27,6 +27,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.verify.sampling import SamplingParams, warp_logprobs
 
 MAX_NODES = 64
+NODE_STREAMS = 1024     # counter-based child draws: stream row * NODE_STREAMS + parent node id
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class TreeShape:
                                  f"got nodes={self.nodes} depth={self.depth} top_k={self.top_k}")
         if self.size > MAX_NODES:
             raise FlashSpecError(f"tree of {self.size} nodes; at most {MAX_NODES}")
+        if self.candidates >= NODE_STREAMS:
+            raise FlashSpecError(f"tree drafts {self.candidates} candidates; at most "
+                                 f"{NODE_STREAMS - 1}")
 
     @classmethod
     def parse(cls, spec: str) -> "TreeShape":
@@ -199,22 +203,31 @@ Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
 
 
 def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | None, seed: torch.Tensor | None = None,
+                  streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log q) [..., k] of the children of nodes with raw draft ``logits`` [..., V]:
     greedy, the top k tokens (one-hot drafts); sampling, k draws without replacement from
-    q = warp(logits) (Gumbel top-k: the keys' order is the order of sequential draws)."""
+    q = warp(logits) (Gumbel top-k: the keys' order is the order of sequential draws). The
+    uniforms come from ``generator``, or, with a device ``seed``, from the counter-based
+    streams ``streams`` [...] (one per node; no torch RNG state, so a CUDA graph can replay
+    the draw with a new seed)."""
     if params.greedy:
         lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return tok, lp
     logq = warp_logprobs(logits, params)
-    u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+    if seed is None:
+        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+    else:
+        from flashspec.verify import rng
+        u = rng.uniform(seed, streams[..., None], torch.arange(logq.shape[-1], device=logq.device))
     tok = (logq - torch.log(-torch.log(u))).topk(k, dim=-1).indices
     return tok, logq.gather(-1, tok)
 
 
 def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
               expand: Expand, params: SamplingParams = SamplingParams(),
-              generator: torch.Generator | None = None) -> TreeDraft:
+              generator: torch.Generator | None = None, seed: torch.Tensor | None = None
+              ) -> TreeDraft:
     """Draft a tree per row from the root's raw draft logits [B, V].
 
     Each depth, every frontier node gets children (:func:`pick_children`; static: ``k_d`` of
@@ -244,7 +257,8 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         if raw is not None:
             raw[rows, frontier] = logits
         k = shape.branching[d - 1] if shape.branching else shape.top_k
-        tok, lp = pick_children(logits, k, params, generator)               # [B, f, k]
+        tok, lp = pick_children(logits, k, params, generator, seed,
+                                rows * NODE_STREAMS + frontier)             # [B, f, k]
         n_new = tok[0].numel()
         ids = torch.arange(used, used + n_new, device=dev).expand(batch, -1)
         par = frontier[:, :, None].expand(-1, -1, k).reshape(batch, -1)

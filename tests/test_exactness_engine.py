@@ -94,16 +94,19 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
 
 
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
-                                                    ("eagletree", 1.0, 0),
+                                                    ("eagletree_resident", 1.0, 0),
                                                     ("layerskip_static", 1.0, 0),
                                                     ("bandit_resident", 0.7, 50)])
 def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
     """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
     by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
     (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
-    bandit, top-k), eagerly on the CPU. ``eagletree``: UCB1 over the trained EAGLE drafter as
-    a γ=2 chain (full q) and as a 3x2 draft tree (tree verify, K/V compaction). The resident
-    EAGLE step shares its drafting and q with the reference loop's (``_draft``), gated here."""
+    bandit, top-k), eagerly on the CPU. ``eagletree_resident``: UCB1 over the trained EAGLE
+    drafter as a γ=2 chain (full q) and as a 3x2 draft tree (children drawn without
+    replacement from counter-based streams, tree verify, K/V compaction) in the resident loop.
+    The reference loop's tree step shares that drafting (``EagleDrafter._grow``) and the tree
+    rule; its torch-generator draws are not gated here (a 500-row tree gate costs about four
+    minutes of CPU); the tree rule itself is gated on both backends in test_exactness_tree.py."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     base, _, mode = kind.partition("_")

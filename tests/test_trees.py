@@ -128,8 +128,6 @@ def test_tree_arms_from_config(four) -> None:
     assert arms[1].gamma == 2 and arms[2].reach == TreeShape.parse("dyn8").candidates
     with pytest.raises(FlashSpecError, match="chains only"):
         build_arms(OmegaConf.create({"arms": [["ngram", "2x2"]]}), {"ngram": NgramDrafter()})
-    with pytest.raises(FlashSpecError, match="resident"):
-        SpecEngine(model, [arms[1]], resident=True)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +154,48 @@ def test_tree_greedy_equals_target_only(smol, spec) -> None:
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.n_accepted for r in out) > 0
         assert all(sum(r.accept_hist) == r.steps for r in out)
+
+
+@pytest.mark.parametrize("spec", ["3x2x1", "dyn12"])
+def test_resident_tree_equals_reference_loop(smol, spec) -> None:
+    """A tree arm in the resident loop (drafting over the device token buffer, one target pass
+    over the whole cache, verify_tree, K/V compaction, features to the drafter; every step
+    eager here) gives the reference loop's tokens, steps, accepted counts and histograms:
+    ragged acceptance, an EOS inside accepted runs, a budget that ends inside one."""
+    model, tok, prompts, eagle = smol
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    arms = [Arm.of_tree(eagle, TreeShape.parse(spec))]
+    ref = SpecEngine(model, arms, eos_ids=eos).generate(prompts, 37).rows
+    assert sum(r.n_accepted for r in ref) > 0
+    for chunk in (1, 4):
+        engine = SpecEngine(model, arms, eos_ids=eos, resident=True, chunk=chunk)
+        engine.min_capacity = 256      # the eager steps attend the whole cache: keep it short
+        got = engine.generate(prompts, 37).rows
+        assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+               [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+def test_resident_sampled_and_planned_trees(smol) -> None:
+    """Sampled trees draw children from counter-based streams of the step's seed: a resident
+    run does not depend on its chunking. With the planner a tree arm is all or nothing, and
+    greedy output stays the target's."""
+    from flashspec.planner import WidthPlanner
+    model, tok, prompts, eagle = smol
+    arms = [Arm.of_tree(eagle, TreeShape.parse("2x2"))]
+    runs = []
+    for chunk in (1, 5):
+        engine = SpecEngine(model, arms, params=SamplingParams(temperature=1.0), resident=True,
+                            chunk=chunk, seed=3)
+        engine.min_capacity = 256
+        runs.append([(r.tokens, r.n_accepted) for r in engine.generate(prompts, 24).rows])
+    assert runs[0] == runs[1] and sum(n for _, n in runs[0]) > 0
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 24).rows
+    planner = WidthPlanner(explore=1)
+    engine = SpecEngine(model, arms, planner=planner, resident=True, chunk=2)
+    engine.min_capacity = 256
+    assert [r.tokens for r in engine.generate(prompts, 24).rows] == [r.tokens for r in ar]
+    assert planner.tree_seen.get("2x2") and planner.seen.get(0), "tree and plain steps probed"
 
 
 def test_planner_plays_a_tree_only_while_it_pays() -> None:

@@ -139,7 +139,7 @@ class Drafter(ABC):
 
     # ------------------------------------------------------------------ resident loop
     # (flashspec.resident): drafting as device ops over the device token buffer, no host state
-    resident: bool = False    # whether the four methods below are implemented
+    resident: bool = False    # whether the methods below are implemented (resident_tree: with tree)
 
     def resident_start(self, state: DecodeState, capture: bool = False) -> None:
         """After the target's prefill of ``state``: catch up on the prompts (``capture``: the
@@ -151,6 +151,12 @@ class Drafter(ABC):
         """(drafts [B, γ], their logits or None, real drafts per row [B] or None = γ) from the
         committed ``tokens`` [B, C] of ``lengths`` [B]; device ops only (graph-safe)."""
         raise FlashSpecError(f"drafter {self.name!r} cannot draft in the resident loop")
+
+    def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
+                      params: SamplingParams, seed: torch.Tensor) -> TreeDraft:
+        """A draft tree of ``shape`` per row (as ``propose_tree``) from the committed
+        ``tokens`` of ``lengths``; device ops only (when ``tree`` and ``resident``)."""
+        raise FlashSpecError(f"drafter {self.name!r} cannot draft trees in the resident loop")
 
     def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
         """The target's hidden states [B, γ+1, d] of the step fed at positions lengths - 1 + j."""

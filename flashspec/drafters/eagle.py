@@ -144,35 +144,48 @@ class EagleDrafter(GraphedDrafting, Drafter):
         are the top draft tokens when greedy, else drawn without replacement from q (the
         drafter's warped logits, returned with the tree for verification)."""
         starts, width = self._window(state)
-        dev, batch = state.device, state.batch
         tokens, positions = state.window(starts, width)
-        lengths = torch.tensor(state.lengths, device=dev)
-        span = max(state.lengths) + shape.candidates
+        lengths = torch.tensor(state.lengths, device=state.device)
+        root = lengths - 1 - torch.tensor(starts, device=state.device)
+        tree = self._grow(tokens, positions, root, lengths, state.tokens, shape, params,
+                          max(state.lengths), generator, None)
+        self.filled = list(state.lengths)
+        return tree
+
+    def _grow(self, window: torch.Tensor, positions: torch.Tensor, root: torch.Tensor,
+              lengths: torch.Tensor, tokens: torch.Tensor, shape: TreeShape,
+              params: SamplingParams, span: int | None, generator: torch.Generator | None,
+              seed: torch.Tensor | None) -> TreeDraft:
+        """The tree drafting of ``propose_tree`` and ``resident_tree``: the catch-up ``window``
+        at ``positions`` [B, w] (column ``root[b]``: row b's last committed token) gives the
+        root's predicted feature, then :func:`flashspec.tree.grow_tree` over ``lengths``.
+        ``span`` None attends the whole cache (no host-known length: what a graph needs)."""
+        batch, dev = window.shape[0], window.device
+        tree_span = self.cache.capacity if span is None else span + shape.candidates
         feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
-        out = self._run(feats, tokens, positions, max(state.lengths))
+        out = self._run(feats, window, positions, span)
         rows = torch.arange(batch, device=dev)
         h = torch.zeros(batch, shape.candidates + 1, out.shape[-1], dtype=out.dtype, device=dev)
-        h[:, 0] = out[rows, lengths - 1 - torch.tensor(starts, device=dev)]
-        self.filled = list(state.lengths)
+        h[:, 0] = out[rows, root]
 
         def expand(ids, toks, parents, depth, anc):
             feat = h[rows[:, None], parents]
             pos = (lengths - 1 + depth)[:, None].expand_as(ids)
             attention = TreeAttention(lengths[:, None] - 1 + ids, anc[rows[:, None], ids],
-                                      lengths, span)
+                                      lengths, tree_span)
             emb = self.target.embed_tokens(toks)
             if self._fusable(emb, pos):
-                new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, span,
+                new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, tree_span,
                                   rotary=(self.target.inv_freq, self.target.rope_scale),
                                   tree=attention)
             else:
                 new = self.module(feat, emb, self.target.rope(pos), attention.slots,
-                                  attention.mask, self.cache, span)
+                                  attention.mask, self.cache, tree_span)
             h[rows[:, None], ids] = new
             return self._scaled(self.head(new))
 
-        return grow_tree(self._scaled(self.head(h[:, 0])), state.tokens[rows, lengths - 1], shape,
-                         expand, params, generator)
+        return grow_tree(self._scaled(self.head(h[:, 0])), tokens[rows, lengths - 1], shape,
+                         expand, params, generator, seed)
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits with ``draft_temperature`` applied (what drafts are drawn from)."""
@@ -205,6 +218,18 @@ class EagleDrafter(GraphedDrafting, Drafter):
     def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
         feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
         self._run(feats, tokens, positions, span)
+
+    def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
+                      params: SamplingParams, seed: torch.Tensor) -> TreeDraft:
+        """A draft tree per row from the committed ``tokens`` [B, C] of ``lengths`` [B]: the
+        fixed window of the last depth + 1 committed tokens (as ``resident_draft``: a step
+        accepts at most depth drafts, so it covers every slot the last step left unfilled),
+        then ``propose_tree``'s growth over the whole cache; device ops only."""
+        width = shape.max_depth + 1
+        start = (lengths - width).clamp(min=0)
+        positions = start[:, None] + torch.arange(width, device=lengths.device)
+        return self._grow(tokens.gather(1, positions), positions, lengths - 1 - start, lengths,
+                          tokens, shape, params, None, None, None if params.greedy else seed)
 
     def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
         """Features f_{L-1+j} of the step go to columns L + j; the columns of rejected drafts

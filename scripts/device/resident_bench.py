@@ -34,6 +34,7 @@ from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
 from flashspec.planner import WidthPlanner
 from flashspec.theory import expected_tau
+from flashspec.tree import TreeShape
 from flashspec.verify import SamplingParams, get_backend
 
 CELLS = {  # name: (dataset, batch, temperature)
@@ -57,27 +58,37 @@ def emit(out, **row) -> None:
 
 
 def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingParams, eos: list[int],
-            batch: int, checkpoint: str) -> dict[str, SpecEngine]:
+            batch: int, checkpoint: str, trees: list[str], only: list[str] | None
+            ) -> dict[str, SpecEngine]:
+    """The engines of a cell (``only``: the names to keep; AR of both loops always runs)."""
+    keep = lambda name: only is None or name in ("ar_ref", "ar_res") or name in only
     kw = dict(params=params, backend=get_backend("triton"), seed=0, eos_ids=eos, graphs=True)
     res = dict(kw, resident=True)
-    engines = {
-        "ar_ref": SpecEngine(model, [Arm(None, 0)], **kw),
-        "ar_res": SpecEngine(model, [Arm(None, 0)], **res),
-        "eagle4_ref": SpecEngine(model, [Arm(eagle, 4)], **kw),
-        "eagle3_res": SpecEngine(model, [Arm(eagle, 3)], **res),
-        "eagle4_res": SpecEngine(model, [Arm(eagle, 4)], **res),
-        "eagle5_res": SpecEngine(model, [Arm(eagle, 5)], **res),
-        "eagle5_res_planner": SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
-        "ngram8_res": SpecEngine(model, [Arm(ngram, 8)], **res),
-        "ngram8_res_planner": SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
+    make = {
+        "ar_ref": lambda: SpecEngine(model, [Arm(None, 0)], **kw),
+        "ar_res": lambda: SpecEngine(model, [Arm(None, 0)], **res),
+        "eagle4_ref": lambda: SpecEngine(model, [Arm(eagle, 4)], **kw),
+        "eagle3_res": lambda: SpecEngine(model, [Arm(eagle, 3)], **res),
+        "eagle4_res": lambda: SpecEngine(model, [Arm(eagle, 4)], **res),
+        "eagle5_res": lambda: SpecEngine(model, [Arm(eagle, 5)], **res),
+        "eagle5_res_planner": lambda: SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
+        "ngram8_res": lambda: SpecEngine(model, [Arm(ngram, 8)], **res),
+        "ngram8_res_planner": lambda: SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
     }
+    for i, spec in enumerate(trees):   # draft trees in the resident loop
+        arm = Arm.of_tree(eagle, TreeShape.parse(spec))
+        make[f"tree_{arm.tree.label}_res"] = lambda arm=arm: SpecEngine(model, [arm], **res)
+        if i == 0:
+            make[f"tree_{arm.tree.label}_res_planner"] = lambda arm=arm: SpecEngine(
+                model, [arm], planner=WidthPlanner(), **res)
     if not params.greedy:   # drafter calibration at T > 0: flatter / sharper draft distributions
         for t in (0.7, 1.4):
-            hot = drafter(model, None, checkpoint, str(model.device), t)
-            engines[f"eagle3_res_dt{t}"] = SpecEngine(model, [Arm(hot, 3)], **res)
+            hot = drafter(model, None, checkpoint, str(model.device), t) if keep(
+                f"eagle3_res_dt{t}") else None
+            make[f"eagle3_res_dt{t}"] = lambda hot=hot: SpecEngine(model, [Arm(hot, 3)], **res)
     if batch > 1:  # the reference loop's speculative step is the slow one at batch 32
-        engines["eagle4_ref_planner"] = SpecEngine(model, [Arm(eagle, 4)], planner=WidthPlanner(), **kw)
-    return engines
+        make["eagle4_ref_planner"] = lambda: SpecEngine(model, [Arm(eagle, 4)], planner=WidthPlanner(), **kw)
+    return {name: build() for name, build in make.items() if keep(name)}
 
 
 def drafter(model, tok, checkpoint: str, device: str, draft_temperature: float = 1.0
@@ -118,13 +129,14 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4) -> None:
 
 
 def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
-             device: str) -> None:
+             device: str, trees: list[str], only: list[str] | None) -> None:
     dataset, batch, temperature = CELLS[name]
     params = SamplingParams(temperature=temperature)
     prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts(dataset, n=max(n, batch),
                                                                         seed=seed)]
     eagle = drafter(model, tok, eagle_ckpt, device)
-    engines = methods(model, eagle, NgramDrafter(), params, [tok.eos_token_id], batch, eagle_ckpt)
+    engines = methods(model, eagle, NgramDrafter(), params, [tok.eos_token_id], batch, eagle_ckpt,
+                      trees, only)
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     t_cold = {}
     for m, e in engines.items():
@@ -221,6 +233,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--scale", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trees", nargs="*", default=["dyn15d8k3"],
+                    help="draft-tree shapes run as resident arms (the first also with the planner)")
+    ap.add_argument("--methods", nargs="*", help="only these methods (AR always runs)")
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code path")
     ap.add_argument("--dtype", default="bfloat16")
@@ -239,7 +254,7 @@ def main() -> int:
         return 0
     for cell in a.cells:
         t0 = time.perf_counter()
-        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device)
+        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device, a.trees, a.methods)
         emit(out, cell=cell, wall_s=round(time.perf_counter() - t0, 1))
     return 0
 
