@@ -101,19 +101,20 @@ def drafter(model, tok, checkpoint: str, device: str, draft_temperature: float =
                               draft_temperature=draft_temperature)
 
 
-def profile(model, tok, checkpoint: str, out, gamma: int = 4) -> None:
-    """Kernels of one resident EAGLE step at B = 1 (20 graph replays under torch.profiler)."""
+def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] = ()) -> None:
+    """Kernels of one resident step at B = 1 (20 graph replays under torch.profiler): AR, the
+    EAGLE chain at γ and each draft-tree shape of ``trees``."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     eagle = drafter(model, tok, checkpoint, "cuda")
     prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
-    for g in (0, gamma):
-        arm = Arm(eagle, g) if g else Arm(None, 0)
+    arms = [Arm(None, 0), Arm(eagle, gamma)] + [Arm.of_tree(eagle, TreeShape.parse(t)) for t in trees]
+    for arm in arms:
         e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
                        eos_ids=[tok.eos_token_id])
         e.generate([prompt], 64)
         e.resident_loop.state.budgets.fill_(1 << 20)
         e.resident_loop.state.finished.zero_()
-        key = (eagle, g) if g else (None, 0)
+        key = e._resident_arms()[0]
         e.resident_loop.launch(key, 3)
         sync()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -122,10 +123,17 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4) -> None:
         events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA"]
         total = sum(ev.device_time_total for ev in events) / 20
         kernels = sum(ev.count for ev in events) / 20
-        emit(out, check="profile", gamma=g, kernels_per_step=kernels, gpu_us_per_step=round(total, 1))
+        emit(out, check="profile", arm=arm.name, kernels_per_step=kernels,
+             gpu_us_per_step=round(total, 1))
         for ev in sorted(events, key=lambda ev: -ev.device_time_total)[:18]:
-            emit(out, check="kernel", gamma=g, name=ev.key[:90], per_step=ev.count / 20,
+            emit(out, check="kernel", arm=arm.name, name=ev.key[:90], per_step=ev.count / 20,
                  us_per_step=round(ev.device_time_total / 20, 1))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        e.resident_loop.launch(key, 50)
+        end.record()
+        sync()
+        emit(out, check="replay", arm=arm.name, step_ms=round(start.elapsed_time(end) / 50, 4))
 
 
 def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
@@ -250,7 +258,7 @@ def main() -> int:
     model = fuse_model(model.eval(), a.device == "cuda")
     if a.profile:
         with torch.inference_mode():
-            profile(model, tok, a.eagle, out)
+            profile(model, tok, a.eagle, out, trees=a.trees)
         return 0
     for cell in a.cells:
         t0 = time.perf_counter()
