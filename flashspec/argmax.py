@@ -1,5 +1,5 @@
-"""Row argmax and counter-based Gumbel-max draws over a wide vocabulary, in two small Triton
-kernels (drafting on a GPU).
+"""Row argmax, counter-based Gumbel-max draws and the top k with their log-probabilities over
+a wide vocabulary, each in two small Triton kernels (drafting on a GPU).
 
 ``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction, about 13 µs on
 an H200: the slowest kernel of a greedy EAGLE draft pass. A sampled draft was worse: the
@@ -51,6 +51,60 @@ def _row_max_kernel(val_ptr, idx_ptr, out_ptr, V, n_blocks, NB: tl.constexpr):
     tl.store(out_ptr + row, tl.minimum(best, V - 1).to(tl.int64))
 
 
+@triton.jit
+def _block_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, V, n_blocks,
+                       K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, block): the block's top K (value, column; ties to the smaller column) and its
+    (max, Σ exp(x - max)) for the row's log-sum-exp."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    x = tl.load(x_ptr + row * V + cols, mask=ok, other=-float("inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    safe = tl.where(m == -float("inf"), 0.0, m)
+    tl.store(m_ptr + row * n_blocks + blk, m)
+    tl.store(s_ptr + row * n_blocks + blk, tl.sum(tl.exp(x - safe), axis=0))
+    slot = tl.arange(0, KP2)
+    vals = tl.full([KP2], -float("inf"), tl.float32)
+    idx = tl.full([KP2], V, tl.int32)
+    for j in range(K):
+        top = tl.max(x, axis=0)
+        first = tl.min(tl.where((x == top) & ok, cols, V), axis=0)
+        vals = tl.where(slot == j, top, vals)
+        idx = tl.where(slot == j, first, idx)
+        ok = ok & (cols != first)
+        x = tl.where(cols == first, -float("inf"), x)
+    out = (row * n_blocks + blk) * KP2 + slot
+    tl.store(val_ptr + out, vals)
+    tl.store(idx_ptr + out, idx)
+
+
+@triton.jit
+def _row_topk_kernel(val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_blocks,
+                     K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr):
+    """Per row: the top K of its blocks' candidates and their log-probabilities x - lse."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.arange(0, NB)
+    bm = tl.load(m_ptr + row * n_blocks + b, mask=b < n_blocks, other=-float("inf"))
+    bs = tl.load(s_ptr + row * n_blocks + b, mask=b < n_blocks, other=0.0)
+    big = tl.max(bm, axis=0)
+    safe = tl.where(big == -float("inf"), 0.0, big)
+    lse = safe + tl.log(tl.sum(bs * tl.exp(bm - safe), axis=0))
+    c = tl.arange(0, NB * KP2)
+    live = c < n_blocks * KP2
+    v = tl.load(val_ptr + row * n_blocks * KP2 + c, mask=live, other=-float("inf"))
+    i = tl.load(idx_ptr + row * n_blocks * KP2 + c, mask=live, other=V)
+    for j in range(K):
+        top = tl.max(v, axis=0)
+        first = tl.min(tl.where(v == top, i, V), axis=0)
+        at = tl.min(tl.where((v == top) & (i == first), c, NB * KP2), axis=0)
+        tl.store(tok_ptr + row * K + j, tl.minimum(first, V - 1).to(tl.int64))
+        tl.store(lp_ptr + row * K + j, top - lse)
+        v = tl.where(c == at, -float("inf"), v)
+        i = tl.where(c == at, V, i)
+
+
 INTERPRET = interpreted(_block_max_kernel)   # how the kernels were built (not a switch)
 
 
@@ -82,3 +136,29 @@ def gumbel_argmax(logits: torch.Tensor, inv_t: float, seed: torch.Tensor, step: 
     logits * inv_t - log(-log u) with u = rng.uniform(seed, row * 64 + step, column)
     (``inv_t``: :func:`flashspec.verify.sampling.inverse_temperature`)."""
     return _reduce(logits, seed, inv_t, step)
+
+
+TOPK_BLOCK = 4096
+
+
+def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64, log-probabilities float32) [..., k] of the k largest entries of each row
+    of ``x`` [..., V] in decreasing order (ties to the smaller column), the log-probabilities
+    under softmax(x): ``log_softmax(x).topk(k)`` without the [.., V] float copy, in two kernels."""
+    shape, vocab = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, vocab).contiguous()
+    rows, n_blocks = flat.shape[0], triton.cdiv(vocab, TOPK_BLOCK)
+    kp2 = triton.next_power_of_2(k)
+    dev = x.device
+    vals = torch.empty(rows, n_blocks, kp2, dtype=torch.float32, device=dev)
+    idx = torch.empty(rows, n_blocks, kp2, dtype=torch.int32, device=dev)
+    bm = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
+    bs = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
+    tok = torch.empty(rows, k, dtype=torch.long, device=dev)
+    lp = torch.empty(rows, k, dtype=torch.float32, device=dev)
+    if rows:
+        _block_topk_kernel[(rows, n_blocks)](flat, vals, idx, bm, bs, vocab, n_blocks, K=k,
+                                             KP2=kp2, BLOCK=TOPK_BLOCK)
+        _row_topk_kernel[(rows,)](vals, idx, bm, bs, tok, lp, vocab, n_blocks, K=k, KP2=kp2,
+                                  NB=triton.next_power_of_2(n_blocks))
+    return tok.reshape(*shape, k), lp.reshape(*shape, k)

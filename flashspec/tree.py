@@ -206,12 +206,16 @@ def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
                   generator: torch.Generator | None, seed: torch.Tensor | None = None,
                   streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log q) [..., k] of the children of nodes with raw draft ``logits`` [..., V]:
-    greedy, the top k tokens (one-hot drafts); sampling, k draws without replacement from
+    greedy, the top k tokens (one-hot drafts; on a GPU :func:`flashspec.argmax.row_topk`, ties
+    to the smaller token id); sampling, k draws without replacement from
     q = warp(logits) (Gumbel top-k: the keys' order is the order of sequential draws). The
     uniforms come from ``generator``, or, with a device ``seed``, from the counter-based
     streams ``streams`` [...] (one per node; no torch RNG state, so a CUDA graph can replay
     the draw with a new seed)."""
     if params.greedy:
+        if logits.is_cuda:     # two Triton kernels instead of a float copy, softmax and topk
+            from flashspec.argmax import row_topk
+            return row_topk(logits, k)
         lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return tok, lp
     logq = warp_logprobs(logits, params)

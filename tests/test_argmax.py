@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
-from flashspec.argmax import gumbel_argmax, row_argmax
+from flashspec.argmax import gumbel_argmax, row_argmax, row_topk
 from flashspec.verify.sampling import SamplingParams, gumbel_draw, inverse_temperature
 
 
@@ -65,3 +65,21 @@ def test_gumbel_draws_follow_the_softmax_and_a_planted_bug_fails():
 
     assert p_value(t) > 1e-3
     assert p_value(1.0) < 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(8, 9000), k=st.integers(1, 8),
+       levels=st.sampled_from([3, 1000]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_row_topk_equals_log_softmax_topk(rows, vocab, k, levels, dtype, seed):
+    """The k largest entries in decreasing order, ties to the smaller column (few levels make
+    ties common), with their log-probabilities under softmax, across several blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(0, levels, (rows, vocab), generator=g).float() / 7).to(dtype)
+    tok, lp = row_topk(x, k)
+    ref = torch.log_softmax(x.float(), dim=-1)
+    order = sorted(range(vocab), key=lambda j: (-float(x[0, j]), j))[:k]   # ties: smaller column
+    assert tok[0].tolist() == order
+    for r in range(rows):
+        assert torch.equal(x[r, tok[r]], x[r].topk(k).values)
+        torch.testing.assert_close(lp[r], ref[r, tok[r]], rtol=1e-5, atol=1e-5)

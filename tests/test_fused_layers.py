@@ -288,11 +288,12 @@ def test_head_dim_scale_is_inverse_sqrt():
     torch.testing.assert_close(got[0, 0], want, **TOL)
 
 
-@pytest.mark.parametrize("lengths", [(9, 9), (7, 12)])
+@pytest.mark.parametrize("lengths", [(9, 9), (7, 12), (40, 90)])
 def test_fused_tree_step_matches_reference(lengths):
     """A draft-tree step (RoPE by depth, own slots, ancestor bitmask attention) through the
     fused layers equals the reference layers under the tree mask: hidden states and the cache,
-    ragged rows, a tree of 9 nodes with different shapes per row."""
+    ragged rows, a tree of 9 nodes with different shapes per row. (40, 90): prefixes over
+    several plain key blocks (32 slots in fp32), a tree that straddles a block boundary."""
     from flashspec.tree import TreeDraft, tree_attention
     model = fused.fuse_model(tiny_model())
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
@@ -306,7 +307,7 @@ def test_fused_tree_step_matches_reference(lengths):
     outs, caches = [], []
     for use_fused in (False, True):
         model.decode_layers = fused.LAYERS if use_fused else None
-        cache = model.new_cache(2, CAP)
+        cache = model.new_cache(2, 2 * CAP)
         prefix = torch.randint(0, 96, (2, int(lens.max()) - 1), generator=torch.Generator().manual_seed(5))
         with torch.inference_mode():
             model.decode_layers = None       # the same prefix cache for both

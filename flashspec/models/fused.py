@@ -135,6 +135,29 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, kc_ptr, 
 
 
 @triton.jit
+def _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks, m_i, l_i, acc,
+                  IEEE: tl.constexpr):
+    """One key block ``s`` of the online softmax: queries see the slots where ``seen``."""
+    smask = (s < hi)[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(seen, scores * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o_ptr, n,
                              capacity, scale, s_kb, s_kh, s_ks,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -144,8 +167,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
     a query at position p sees slots <= p. With TREE, pos_ptr holds each query's own slot and
     the query sees the slots below base_ptr[b] (the committed prefix) and tree slot base + j
-    where bit j of its NW-word bitmask bits_ptr[b, t, :] is set (its ancestors and itself).
-    q and o are [B, n, H, D] contiguous."""
+    where bit j of its NW-word bitmask bits_ptr[b, t, :] is set (its ancestors and itself);
+    the bitmasks are read only in the key blocks that reach the tree's slots (the prefix
+    blocks are plain causal ones). q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -155,9 +179,11 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     valid = t < n
     pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
     hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
+    plain = hi
     base = 0
     if TREE:
         base = tl.load(base_ptr + b)
+        plain = tl.minimum((base // BLOCK_N) * BLOCK_N, hi).to(tl.int32)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D + d[None, :]
@@ -167,34 +193,23 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(0, plain, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
-        smask = (s < hi)[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
         seen = s[None, :] <= pos[:, None]
-        if TREE:
+        m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks,
+                                      m_i, l_i, acc, IEEE)
+    if TREE:
+        for start in range(plain, hi, BLOCK_N):
+            s = start + tl.arange(0, BLOCK_N)
             rel = s[None, :] - base
             inside = (rel >= 0) & (rel < 64 * NW)
             r = tl.maximum(rel, 0)
             word = tl.load(bits_ptr + (b * n + t)[:, None] * NW + r // 64,
                            mask=valid[:, None] & inside, other=0)
             bit = (word >> (r % 64).to(tl.int64)) & 1
-            seen = seen & ((rel < 0) | (inside & (bit != 0)))
-        scores = tl.where(seen, scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            seen = (s[None, :] <= pos[:, None]) & ((rel < 0) | (inside & (bit != 0)))
+            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale,
+                                          s_ks, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + qo, out.to(o_ptr.dtype.element_ty), mask=qmask)
 
