@@ -16,7 +16,9 @@ it does not pay decodes as plain AR. ``objective='total'`` counts every live row
 
 A draft-tree arm (:mod:`flashspec.tree`) is all or nothing: ``plan_tree`` plays the tree when
 its measured tokens per step (decayed mean of accepted + 1 over live rows) over its measured
-step cost (the tree's own width and drafting, kept per shape) beats a plain target step.
+step cost (the tree's own width and drafting, kept per shape) beats a plain target step; after
+``reprobe`` plain steps in a row it plays the tree once more, so one hard prompt cannot shut
+the tree out for the rest of the run.
 """
 from __future__ import annotations
 
@@ -42,11 +44,13 @@ class WidthPlanner:
     smoothing: float = 0.3    # weight of a new step time in the cost average
     prior: float = 2.0        # pseudo-trials pulling a row's rate toward the batch rate
     replan: int = 4           # steps a decision is kept (planning costs Python time per row)
+    reprobe: int = 16         # plain-step decisions after which a losing tree is tried again
     cost: dict[int, float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
     tree_cost: dict[str, float] = field(default_factory=dict)
     tree_seen: dict[str, int] = field(default_factory=dict)
     tree_gain: dict[str, tuple[float, float]] = field(default_factory=dict)  # (accepted, row-steps)
+    tree_idle: dict[str, int] = field(default_factory=dict)  # plain-step decisions in a row
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -137,7 +141,11 @@ class WidthPlanner:
             return True
         acc, steps = self.tree_gain.get(label, (0.0, 0.0))
         live = sum(1 for r in remaining if r > 0)
-        return live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label] > live / self.step_cost(0)
+        pays = live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label] > live / self.step_cost(0)
+        idle = self.tree_idle.get(label, 0)
+        play = pays or idle >= self.reprobe
+        self.tree_idle[label] = 0 if play else idle + 1
+        return play
 
     def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
         """One tree step: its wall time and the accepted path length of every live row."""

@@ -210,7 +210,9 @@ def test_planner_plays_a_tree_only_while_it_pays() -> None:
     assert planner.plan_tree("dyn4", [5, 5])                     # 125/s > 100/s
     for _ in range(20):
         planner.observe_tree("dyn4", 0.030, [0, 0], [True, True])  # slower, nothing accepted
-    assert not planner.plan_tree("dyn4", [5, 5])
+    plays = [planner.plan_tree("dyn4", [5, 5]) for _ in range(2 * planner.reprobe + 2)]
+    assert plays.index(True) == planner.reprobe and sum(plays) == 2, \
+        "a losing tree is re-probed once after `reprobe` plain steps"
 
 
 def test_tree_arm_with_planner_keeps_greedy_output(smol) -> None:
