@@ -39,14 +39,15 @@ def small(tmp_path_factory):
 
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
-                 policy=None, graphs: bool = False, resident: bool = False) -> np.ndarray:
-    """N rows × NEW tokens from the engine, in chunks of identical prompts."""
+                 policy=None, graphs: bool = False, resident: bool = False,
+                 chunk: int = CHUNK) -> np.ndarray:
+    """N rows × NEW tokens from the engine, in chunks of ``chunk`` identical prompts."""
     out = []
-    for c in range(N // CHUNK):
+    for c in range(N // chunk):
         engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
                             graphs=graphs, resident=resident)
         engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
-        rows = engine.generate([prompt] * CHUNK, NEW).rows
+        rows = engine.generate([prompt] * chunk, NEW).rows
         out.append(np.array([r.tokens[:NEW] for r in rows]))
     return np.concatenate(out)
 
@@ -112,8 +113,12 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     base, _, mode = kind.partition("_")
     arms = arms_for(model, base)
     policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
+    # a tree step holds [rows, nodes, V] float logits several times over (target, draft,
+    # warped) and the counter-based child draws hash [rows, frontier, V] int64 uniforms:
+    # smaller chunks keep a worker's memory a few GB (two workers share this 24 GB box)
+    chunk = CHUNK // 4 if base == "eagletree" else CHUNK
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
-                        graphs=mode == "static", resident=mode == "resident")
+                        graphs=mode == "static", resident=mode == "resident", chunk=chunk)
     ar = target_only_pairs(model, prompt, params)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
