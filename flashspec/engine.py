@@ -26,7 +26,7 @@ from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
-from flashspec.tree import TreeShape, tree_attention
+from flashspec.tree import TreeShape, compact_path, tree_attention
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
@@ -316,10 +316,7 @@ class SpecEngine:
         out, n_acc, path = self.backend_impl.verify_tree(self.target.logits(hidden), tree,
                                                          self.params, seed,
                                                          depth=arm.tree.max_depth)
-        dst = lengths[:, None] + torch.arange(path.shape[1], device=state.device)
-        self.cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
-        cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
-        state.set_hidden(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])),
+        state.set_hidden(compact_path(self.cache, hidden, path, lengths),
                          [n - 1 for n in state.lengths], None)
         host = torch.cat([out, n_acc[:, None]], dim=1).tolist()         # the one host read
         counts = [int(row[-1]) for row in host]

@@ -41,7 +41,7 @@ from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
-from flashspec.tree import TreeShape, tree_attention
+from flashspec.tree import TreeShape, compact_path, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
@@ -217,11 +217,7 @@ class ResidentLoop:
         hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, tree=attention)
         out, n_acc, path = self.verify_tree(self.target.logits(hidden), tree, self.params,
                                             verify_seed, depth=depth)
-        dst = lengths[:, None] + self.cols[:depth]
-        self.cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
-        cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
-        drafter.resident_absorb(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])),
-                                lengths)
+        drafter.resident_absorb(compact_path(self.cache, hidden, path, lengths), lengths)
         self._commit(out, n_acc, depth, None)
         s.calls.add_(1)
 

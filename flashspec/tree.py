@@ -199,6 +199,19 @@ def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
     return positions, TreeAttention(slots, draft.ancestors(), lengths, span)
 
 
+def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+                 ) -> torch.Tensor:
+    """After a tree step of rows with committed ``lengths`` [B]: move the K/V of the accepted
+    nodes ``path`` [B, D] (-1 padded) from their own slots L - 1 + id to slots L .. L + D - 1 of
+    ``cache`` (a :class:`flashspec.models.llama.KVCache`; unaccepted slots copy onto
+    themselves), and return the hidden states [B, D + 1, d] of the root and the path (the
+    root's where the path stops) out of the step's ``hidden`` [B, N + 1, d]."""
+    dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
+    cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
+    cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
+    return hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 

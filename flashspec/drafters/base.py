@@ -166,6 +166,16 @@ class Drafter(ABC):
         return ()
 
 
+def resident_window(tokens: torch.Tensor, lengths: torch.Tensor, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, positions [B, width], column of the last committed token [B]) of the fixed
+    window over the last ``width`` committed tokens of each row of ``tokens`` [B, C] (from
+    position 0 when a row is shorter): one shape for every step, so a graph can replay it."""
+    start = (lengths - width).clamp(min=0)
+    positions = start[:, None] + torch.arange(width, device=lengths.device)
+    return tokens.gather(1, positions), positions, lengths - 1 - start
+
+
 class GraphedDrafting:
     """Mixin of model drafters: all γ drafting steps as one device function that a CUDA graph
     can record (:class:`flashspec.graphs.GraphCache`).
@@ -249,11 +259,8 @@ class GraphedDrafting:
                        ) -> tuple[torch.Tensor, torch.Tensor, None]:
         """Re-read the last γ + 1 committed tokens (a fixed window: one graph shape; the slots
         it rewrites hold the same values or stale speculative ones), then draft γ tokens."""
-        width = gamma + 1
-        start = (lengths - width).clamp(min=0)
-        positions = start[:, None] + torch.arange(width, device=lengths.device)
-        window = tokens.gather(1, positions)
-        drafts, logits = self._draft(window, positions, lengths - 1 - start, lengths, gamma,
+        window, positions, last = resident_window(tokens, lengths, gamma + 1)
+        drafts, logits = self._draft(window, positions, last, lengths, gamma,
                                      params, None, None if params.greedy else seed, None)
         return drafts, None if params.greedy else logits, None   # greedy verify ignores q
 

@@ -20,7 +20,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
+from flashspec.drafters.base import (DecodeState, DraftContext, Drafter, GraphedDrafting,
+                                     resident_window)
 from flashspec.drafters.eagle_checkpoint import load_eagle
 from flashspec.drafters.eagle_module import EagleModule
 from flashspec.errors import FlashSpecError
@@ -225,11 +226,9 @@ class EagleDrafter(GraphedDrafting, Drafter):
         fixed window of the last depth + 1 committed tokens (as ``resident_draft``: a step
         accepts at most depth drafts, so it covers every slot the last step left unfilled),
         then ``propose_tree``'s growth over the whole cache; device ops only."""
-        width = shape.max_depth + 1
-        start = (lengths - width).clamp(min=0)
-        positions = start[:, None] + torch.arange(width, device=lengths.device)
-        return self._grow(tokens.gather(1, positions), positions, lengths - 1 - start, lengths,
-                          tokens, shape, params, None, None, None if params.greedy else seed)
+        window, positions, root = resident_window(tokens, lengths, shape.max_depth + 1)
+        return self._grow(window, positions, root, lengths, tokens, shape, params, None, None,
+                          None if params.greedy else seed)
 
     def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
         """Features f_{L-1+j} of the step go to columns L + j; the columns of rejected drafts
