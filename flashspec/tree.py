@@ -99,23 +99,27 @@ class TreeDraft:
     root: the last committed token, parent -1, depth 0). ``logits`` [B, N + 1, V]: the raw draft
     logits at each node when its children were sampled from them without replacement (in
     sibling order); None when children were chosen deterministically (one-hot drafts).
-    ``known_ancestors``: :meth:`ancestors` when the drafting already built it (else derived)."""
+    ``bits``: :meth:`ancestor_bits` when the drafting already built them (else derived)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     logits: torch.Tensor | None = None
-    known_ancestors: torch.Tensor | None = field(default=None, repr=False)
+    bits: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1] - 1
 
+    def ancestor_bits(self) -> torch.Tensor:
+        """[B, N + 1, W] int64 (:func:`pack_bits` of :meth:`ancestors`)."""
+        return self.bits if self.bits is not None else pack_bits(self.ancestors())
+
     def ancestors(self) -> torch.Tensor:
         """[B, N + 1, N + 1] bool: ``[b, i, j]`` when node j is node i or one of its ancestors."""
-        if self.known_ancestors is not None:
-            return self.known_ancestors
         batch, n = self.parents.shape
+        if self.bits is not None:
+            return unpack_bits(self.bits, n)
         anc = torch.eye(n, dtype=torch.bool, device=self.parents.device).repeat(batch, 1, 1)
         rows = torch.arange(batch, device=self.parents.device)
         for i in range(1, n):     # parents come first: their rows are complete
@@ -158,33 +162,46 @@ def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torc
     return (prefix[:, None] | (inside[:, None] & tree))[:, None]
 
 
+def pack_bits(ancestors: torch.Tensor) -> torch.Tensor:
+    """Bool [..., n] -> int64 words [..., ceil(n / 64)]: bit j of word j // 64 for column j."""
+    *lead, width = ancestors.shape
+    words = -(-width // 64)
+    padded = torch.nn.functional.pad(ancestors, (0, 64 * words - width))
+    shifts = torch.arange(64, device=ancestors.device)
+    # distinct bits: the sum is their OR (bit 63 wraps to the sign bit, still that bit)
+    return (padded.view(*lead, words, 64).long() << shifts).sum(-1)
+
+
+def unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`: int64 words [..., W] -> bool [..., width]."""
+    cols = torch.arange(width, device=bits.device)
+    return ((bits[..., cols // 64] >> (cols % 64)) & 1).bool()
+
+
+def own_bits(start: int, count: int, words: int, device) -> torch.Tensor:
+    """[count, words] int64: the single bit of each node id start .. start + count - 1."""
+    ids = torch.arange(start, start + count, device=device)
+    one = torch.ones(count, dtype=torch.long, device=device) << (ids % 64)
+    return torch.where(torch.arange(words, device=device) == (ids // 64)[:, None], one[:, None], 0)
+
+
 @dataclass(frozen=True)
 class TreeAttention:
-    """How draft-tree nodes attend in a step: queries at cache ``slots`` [B, q] with
-    ``ancestors`` [B, q, M] (columns: tree node ids), rows of committed ``lengths`` [B], keys up
-    to ``span``. The reference layers read ``mask``, the fused decode layers ``bits`` and
-    ``base``; each is built on first use, so a step builds only the one its layers read."""
+    """How draft-tree nodes attend in a step: queries at cache ``slots`` [B, q] with ancestor
+    bitmasks ``bits`` [B, q, W] (bit j: tree node j, at slot ``base + j``, is the query or one
+    of its ancestors), rows of committed ``lengths`` [B], keys up to ``span``. The fused decode
+    layers read ``bits`` and ``base``, the reference layers ``mask`` (built on first use)."""
 
     slots: torch.Tensor
-    ancestors: torch.Tensor
+    bits: torch.Tensor
     lengths: torch.Tensor
     span: int
 
     @cached_property
     def mask(self) -> torch.Tensor:
         """[B, 1, q, span] bool (:func:`tree_mask`)."""
-        return tree_mask(self.ancestors, self.lengths, self.span)
-
-    @cached_property
-    def bits(self) -> torch.Tensor:
-        """[B, q, W] int64 (W words): bit j set when tree slot ``base + j`` is visible, i.e. node
-        j is the query or one of its ancestors."""
-        batch, queries, width = self.ancestors.shape
-        words = -(-width // 64)
-        padded = torch.nn.functional.pad(self.ancestors, (0, 64 * words - width))
-        shifts = torch.arange(64, device=self.ancestors.device)
-        # distinct bits: the sum is their OR (bit 63 wraps to the sign bit, still that bit)
-        return (padded.view(batch, queries, words, 64).long() << shifts).sum(-1)
+        return tree_mask(unpack_bits(self.bits, 64 * self.bits.shape[-1]), self.lengths,
+                         self.span)
 
     @cached_property
     def base(self) -> torch.Tensor:
@@ -196,7 +213,7 @@ def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:
     """(RoPE positions [B, N + 1], :class:`TreeAttention`) of a target step over ``draft``."""
     positions, slots = tree_positions(draft, lengths)
-    return positions, TreeAttention(slots, draft.ancestors(), lengths, span)
+    return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span)
 
 
 def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
@@ -243,33 +260,41 @@ def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
 
 def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
               expand: Expand, params: SamplingParams = SamplingParams(),
-              generator: torch.Generator | None = None, seed: torch.Tensor | None = None
-              ) -> TreeDraft:
+              generator: torch.Generator | None = None, seed: torch.Tensor | None = None,
+              fused: bool | None = None) -> TreeDraft:
     """Draft a tree per row from the root's raw draft logits [B, V].
 
     Each depth, every frontier node gets children (:func:`pick_children`; static: ``k_d`` of
     them; dynamic: ``top_k``, and only the ``top_k`` new nodes of highest cumulative draft
-    log-probability form the next frontier). ``expand(ids [B, f], tokens [B, f], parents
-    [B, f], depth, ancestors [B, M + 1, M + 1]) -> raw logits [B, f, V]`` runs the drafter on
-    new frontier nodes (candidate ids 1..M in drafting order, siblings consecutive; id 0 is the
-    root). A dynamic tree then keeps its ``nodes`` best candidates, renumbered in drafting order.
-    The kept set is closed under ancestors and under earlier siblings (a sampled sibling was
-    drawn without the ones before it): a node's rank is the minimum score of itself and its
-    earlier siblings, never above its parent's; ties go to the earlier node."""
+    log-probability form the next frontier, best first, ties to the earlier node).
+    ``expand(ids [B, f], tokens [B, f], parents [B, f], depth, bits [B, f, W]) -> raw logits
+    [B, f, V]`` runs the drafter on new frontier nodes (candidate ids 1..M in drafting order,
+    siblings consecutive; id 0 is the root; ``bits``: their ancestor bitmasks over candidate
+    ids, as :class:`TreeAttention` takes them). A dynamic tree then keeps its ``nodes`` best
+    candidates, renumbered in drafting order. The kept set is closed under ancestors and under
+    earlier siblings (a sampled sibling was drawn without the ones before it): a node's rank is
+    the minimum score of itself and its earlier siblings, never above its parent's; ties go to
+    the earlier node. ``fused`` (default: on a GPU): the bookkeeping of each depth and the final
+    choice run as single Triton kernels (:mod:`flashspec.tree_kernels`), with the same result."""
     batch, dev = root_logits.shape[0], root_logits.device
+    fused = root_logits.is_cuda if fused is None else fused
     m = shape.candidates
     rows = torch.arange(batch, device=dev)[:, None]
     tokens = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
     parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
     depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
     score = torch.zeros(batch, m + 1, device=dev)
-    anc = torch.eye(m + 1, dtype=torch.bool, device=dev).repeat(batch, 1, 1)
+    bits = own_bits(0, m + 1, -(-(m + 1) // 64), dev)[None, :1].repeat(batch, m + 1, 1)
     sampled = not params.greedy
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)
     tokens[:, 0] = root_tokens
     frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
     logits, used = root_logits[:, None], 1
+    if fused:
+        from flashspec.tree_kernels import grow_depth
+    else:
+        grow_depth = _grow_depth
     for d in range(1, shape.max_depth + 1):
         if raw is not None:
             raw[rows, frontier] = logits
@@ -277,33 +302,62 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         tok, lp = pick_children(logits, k, params, generator, seed,
                                 rows * NODE_STREAMS + frontier)             # [B, f, k]
         n_new = tok[0].numel()
-        ids = torch.arange(used, used + n_new, device=dev).expand(batch, -1)
-        par = frontier[:, :, None].expand(-1, -1, k).reshape(batch, -1)
-        tokens[:, used:used + n_new] = tok.reshape(batch, -1)
-        parents[:, used:used + n_new] = par
-        depth[:, used:used + n_new] = d
-        own = score[rows, frontier][..., None] + lp.float()
-        score[:, used:used + n_new] = torch.cummin(own, dim=-1).values.reshape(batch, -1)
-        anc[:, used:used + n_new] = anc[rows, par]
-        anc[:, used:used + n_new, used:used + n_new] |= torch.eye(n_new, dtype=torch.bool, device=dev)
+        nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
+        frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,
+                                                    score, bits, used, d, nxt)
         used += n_new
-        frontier = ids
-        if shape.nodes and n_new > shape.top_k:
-            best = score[rows, ids].topk(shape.top_k, dim=-1).indices
-            frontier = ids.gather(1, best)
         if d < shape.max_depth:
-            logits = expand(frontier, tokens[rows, frontier], parents[rows, frontier], d, anc)
+            logits = expand(frontier, f_tok, f_par, d, f_bits)
     if not shape.nodes:
-        return TreeDraft(tokens, parents, depth, raw, known_ancestors=anc)
-    order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :shape.nodes] + 1
+        return TreeDraft(tokens, parents, depth, raw, bits=bits)
+    if fused:
+        from flashspec.tree_kernels import keep_best
+    else:
+        keep_best = _keep_best
+    keep, k_tok, k_par, k_depth, k_bits = keep_best(tokens, parents, depth, score, shape.nodes)
+    return TreeDraft(k_tok, k_par, k_depth, None if raw is None else raw[rows, keep], bits=k_bits)
+
+
+def _grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,
+                tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Record the children ``tok``, ``lp`` [B, f, k] of ``frontier`` [B, f] as nodes
+    ``used .. used + f k - 1`` at depth ``d`` (in place: tokens, parents, depth, score, bits),
+    and return the next frontier (ids, tokens, parents, bits): its ``nxt`` best new nodes."""
+    batch, f, k = tok.shape
+    rows = torch.arange(batch, device=tok.device)[:, None]
+    n_new = f * k
+    new = slice(used, used + n_new)
+    par = frontier[:, :, None].expand(-1, -1, k).reshape(batch, -1)
+    tokens[:, new] = tok.reshape(batch, -1)
+    parents[:, new] = par
+    depth[:, new] = d
+    own = score[rows, frontier][..., None] + lp.float()
+    score[:, new] = torch.cummin(own, dim=-1).values.reshape(batch, -1)
+    bits[:, new] = bits[rows, par] | own_bits(used, n_new, bits.shape[-1], tok.device)
+    ids = torch.arange(used, used + n_new, device=tok.device).expand(batch, -1)
+    if nxt < n_new:
+        best = torch.sort(score[:, new], dim=1, descending=True, stable=True).indices[:, :nxt]
+        ids = ids.gather(1, best)
+    return ids, tokens.gather(1, ids), parents.gather(1, ids), bits[rows, ids]
+
+
+def _keep_best(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+               score: torch.Tensor, nodes: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dynamic tree's ``nodes`` best candidates by score (ties to the earlier), renumbered in
+    drafting order: (kept ids [B, N + 1], tokens, parents, depth, ancestor bits)."""
+    batch, m1 = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(batch, device=dev)[:, None]
+    order = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, :nodes] + 1
     keep = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev),
                       order.sort(dim=1).values], dim=1)                     # [B, N+1], drafting order
-    renumber = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
-    renumber[rows, keep] = torch.arange(shape.nodes + 1, device=dev)
+    renumber = torch.full((batch, m1), -1, dtype=torch.long, device=dev)
+    renumber[rows, keep] = torch.arange(nodes + 1, device=dev)
     kept_parents = parents.gather(1, keep)
     new_parents = torch.where(kept_parents >= 0, renumber.gather(1, kept_parents.clamp(min=0)),
                               kept_parents)
-    kept_anc = anc.gather(1, keep[:, :, None].expand(-1, -1, m + 1))
-    kept_anc = kept_anc.gather(2, keep[:, None, :].expand(-1, shape.nodes + 1, -1))
-    return TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep),
-                     None if raw is None else raw[rows, keep], known_ancestors=kept_anc)
+    kept = TreeDraft(tokens.gather(1, keep), new_parents, depth.gather(1, keep))
+    return keep, kept.tokens, kept.parents, kept.depth, pack_bits(kept.ancestors())

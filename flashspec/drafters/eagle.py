@@ -169,11 +169,10 @@ class EagleDrafter(GraphedDrafting, Drafter):
         h = torch.zeros(batch, shape.candidates + 1, out.shape[-1], dtype=out.dtype, device=dev)
         h[:, 0] = out[rows, root]
 
-        def expand(ids, toks, parents, depth, anc):
+        def expand(ids, toks, parents, depth, bits):
             feat = h[rows[:, None], parents]
             pos = (lengths - 1 + depth)[:, None].expand_as(ids)
-            attention = TreeAttention(lengths[:, None] - 1 + ids, anc[rows[:, None], ids],
-                                      lengths, tree_span)
+            attention = TreeAttention(lengths[:, None] - 1 + ids, bits, lengths, tree_span)
             emb = self.target.embed_tokens(toks)
             if self._fusable(emb, pos):
                 new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, tree_span,
