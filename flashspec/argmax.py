@@ -1,5 +1,6 @@
-"""Row argmax, counter-based Gumbel-max draws and the top k with their log-probabilities over
-a wide vocabulary, each in two small Triton kernels (drafting on a GPU).
+"""Row argmax, counter-based Gumbel-max draws, and the top k (or k Gumbel top-k draws without
+replacement) with their log-probabilities over a wide vocabulary, each in two small Triton
+kernels (drafting on a GPU).
 
 ``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction, about 13 µs on
 an H200: the slowest kernel of a greedy EAGLE draft pass. A sampled draft was worse: the
@@ -52,19 +53,25 @@ def _row_max_kernel(val_ptr, idx_ptr, out_ptr, V, n_blocks, NB: tl.constexpr):
 
 
 @triton.jit
-def _block_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, V, n_blocks,
-                       K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (row, block): the block's top K (value, column; ties to the smaller column) and its
-    (max, Σ exp(x - max)) for the row's log-sum-exp."""
+def _block_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, seed_ptr, stream_ptr, V, n_blocks,
+                       inv_t, K: tl.constexpr, KP2: tl.constexpr, BLOCK: tl.constexpr,
+                       GUMBEL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per (row, block): the block's top K keys (value, column; ties to the smaller column) and
+    the (max, Σ exp(y - max)) of y = x · inv_t for the row's log-sum-exp. The keys are y, or
+    with GUMBEL y - log(-log u), u the counter-based uniforms of the row's stream."""
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     ok = cols < V
-    x = tl.load(x_ptr + row * V + cols, mask=ok, other=-float("inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
+    y = tl.load(x_ptr + row * V + cols, mask=ok, other=-float("inf")).to(tl.float32) * inv_t
+    m = tl.max(y, axis=0)
     safe = tl.where(m == -float("inf"), 0.0, m)
     tl.store(m_ptr + row * n_blocks + blk, m)
-    tl.store(s_ptr + row * n_blocks + blk, tl.sum(tl.exp(x - safe), axis=0))
+    tl.store(s_ptr + row * n_blocks + blk, tl.sum(tl.exp(y - safe), axis=0))
+    x = y
+    if GUMBEL:
+        key = _stream_key(_load_seed(seed_ptr, 0, True), tl.load(stream_ptr + row), INTERPRET)
+        x = y - _log(-_log(_uniform(key, cols, INTERPRET), INTERPRET), INTERPRET)
     slot = tl.arange(0, KP2)
     vals = tl.full([KP2], -float("inf"), tl.float32)
     idx = tl.full([KP2], V, tl.int32)
@@ -81,9 +88,10 @@ def _block_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, V, n_blocks,
 
 
 @triton.jit
-def _row_topk_kernel(val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_blocks,
+def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_blocks, inv_t,
                      K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr):
-    """Per row: the top K of its blocks' candidates and their log-probabilities x - lse."""
+    """Per row: the top K keys of its blocks' candidates, with log-probabilities
+    x · inv_t - lse (x read again at the K chosen columns)."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, NB)
     bm = tl.load(m_ptr + row * n_blocks + b, mask=b < n_blocks, other=-float("inf"))
@@ -99,8 +107,10 @@ def _row_topk_kernel(val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_block
         top = tl.max(v, axis=0)
         first = tl.min(tl.where(v == top, i, V), axis=0)
         at = tl.min(tl.where((v == top) & (i == first), c, NB * KP2), axis=0)
-        tl.store(tok_ptr + row * K + j, tl.minimum(first, V - 1).to(tl.int64))
-        tl.store(lp_ptr + row * K + j, top - lse)
+        col = tl.minimum(first, V - 1)
+        y = tl.load(x_ptr + row * V + col).to(tl.float32) * inv_t
+        tl.store(tok_ptr + row * K + j, col.to(tl.int64))
+        tl.store(lp_ptr + row * K + j, y - lse)
         v = tl.where(c == at, -float("inf"), v)
         i = tl.where(c == at, V, i)
 
@@ -141,10 +151,16 @@ def gumbel_argmax(logits: torch.Tensor, inv_t: float, seed: torch.Tensor, step: 
 TOPK_BLOCK = 4096
 
 
-def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens int64, log-probabilities float32) [..., k] of the k largest entries of each row
-    of ``x`` [..., V] in decreasing order (ties to the smaller column), the log-probabilities
-    under softmax(x): ``log_softmax(x).topk(k)`` without the [.., V] float copy, in two kernels."""
+def row_topk(x: torch.Tensor, k: int, inv_t: float = 1.0, seed: torch.Tensor | None = None,
+             streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64, log-probabilities float32) [..., k] of each row of ``x`` [..., V] under
+    softmax(x · inv_t), in two kernels without a [.., V] float copy.
+
+    Without ``seed``: the k largest entries in decreasing order (ties to the smaller column),
+    ``log_softmax(x).topk(k)``. With a device ``seed`` and ``streams`` [...] (one per row): k
+    draws without replacement from softmax(x · inv_t) by Gumbel top-k, the top k of
+    x · inv_t - log(-log u) with u = rng.uniform(seed, stream, column), in draw order: the
+    draws of :func:`flashspec.tree.pick_children`'s torch form."""
     shape, vocab = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, vocab).contiguous()
     rows, n_blocks = flat.shape[0], triton.cdiv(vocab, TOPK_BLOCK)
@@ -157,8 +173,12 @@ def row_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     tok = torch.empty(rows, k, dtype=torch.long, device=dev)
     lp = torch.empty(rows, k, dtype=torch.float32, device=dev)
     if rows:
-        _block_topk_kernel[(rows, n_blocks)](flat, vals, idx, bm, bs, vocab, n_blocks, K=k,
-                                             KP2=kp2, BLOCK=TOPK_BLOCK)
-        _row_topk_kernel[(rows,)](vals, idx, bm, bs, tok, lp, vocab, n_blocks, K=k, KP2=kp2,
-                                  NB=triton.next_power_of_2(n_blocks))
+        gumbel = seed is not None
+        stream = streams.reshape(-1).contiguous() if gumbel else tok   # never read without seed
+        _block_topk_kernel[(rows, n_blocks)](flat, vals, idx, bm, bs, seed if gumbel else tok,
+                                             stream, vocab, n_blocks, inv_t, K=k, KP2=kp2,
+                                             BLOCK=TOPK_BLOCK, GUMBEL=gumbel,
+                                             INTERPRET=INTERPRET)
+        _row_topk_kernel[(rows,)](flat, vals, idx, bm, bs, tok, lp, vocab, n_blocks, inv_t, K=k,
+                                  KP2=kp2, NB=triton.next_power_of_2(n_blocks))
     return tok.reshape(*shape, k), lp.reshape(*shape, k)

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from flashspec.errors import FlashSpecError
-from flashspec.verify.sampling import SamplingParams, warp_logprobs
+from flashspec.verify.sampling import SamplingParams, mask_warps, inverse_temperature
 
 MAX_NODES = 64
 NODE_STREAMS = 1024     # counter-based child draws: stream row * NODE_STREAMS + parent node id
@@ -236,26 +236,29 @@ def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
                   generator: torch.Generator | None, seed: torch.Tensor | None = None,
                   streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, log q) [..., k] of the children of nodes with raw draft ``logits`` [..., V]:
-    greedy, the top k tokens (one-hot drafts; on a GPU :func:`flashspec.argmax.row_topk`, ties
-    to the smaller token id); sampling, k draws without replacement from
-    q = warp(logits) (Gumbel top-k: the keys' order is the order of sequential draws). The
-    uniforms come from ``generator``, or, with a device ``seed``, from the counter-based
-    streams ``streams`` [...] (one per node; no torch RNG state, so a CUDA graph can replay
-    the draw with a new seed)."""
-    if params.greedy:
-        if logits.is_cuda:     # two Triton kernels instead of a float copy, softmax and topk
-            from flashspec.argmax import row_topk
+    greedy, the top k tokens (one-hot drafts; ties to the smaller token id); sampling, k draws
+    without replacement from q = warp(logits) by Gumbel top-k (the keys' order is the order of
+    sequential draws). The uniforms come from ``generator``, or, with a device ``seed``, from
+    the counter-based streams ``streams`` [...] (one per node; no torch RNG state, so a CUDA
+    graph can replay the draw with a new seed). On a GPU, greedy and counter-based draws with
+    temperature only run as :func:`flashspec.argmax.row_topk` (two kernels, the same draws)."""
+    plain = not params.top_k and params.top_p >= 1.0
+    if logits.is_cuda and (params.greedy or (seed is not None and plain)):
+        from flashspec.argmax import row_topk
+        if params.greedy:
             return row_topk(logits, k)
+        return row_topk(logits, k, inverse_temperature(params.temperature), seed, streams)
+    if params.greedy:
         lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return tok, lp
-    logq = warp_logprobs(logits, params)
+    x = mask_warps(logits.float() * inverse_temperature(params.temperature), params)
     if seed is None:
-        u = torch.rand(logq.shape, generator=generator, device=logq.device).clamp_(min=1e-20)
+        u = torch.rand(x.shape, generator=generator, device=x.device).clamp_(min=1e-20)
     else:
         from flashspec.verify import rng
-        u = rng.uniform(seed, streams[..., None], torch.arange(logq.shape[-1], device=logq.device))
-    tok = (logq - torch.log(-torch.log(u))).topk(k, dim=-1).indices
-    return tok, logq.gather(-1, tok)
+        u = rng.uniform(seed, streams[..., None], torch.arange(x.shape[-1], device=x.device))
+    tok = (x - torch.log(-torch.log(u))).topk(k, dim=-1).indices
+    return tok, torch.log_softmax(x, dim=-1).gather(-1, tok)
 
 
 def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,

@@ -83,3 +83,47 @@ def test_row_topk_equals_log_softmax_topk(rows, vocab, k, levels, dtype, seed):
     for r in range(rows):
         assert torch.equal(x[r, tok[r]], x[r].topk(k).values)
         torch.testing.assert_close(lp[r], ref[r, tok[r]], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3), vocab=st.integers(8, 9000), k=st.integers(1, 6),
+       temperature=st.sampled_from([0.4, 1.0, 1.7]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**40))
+def test_gumbel_topk_kernel_draws_pick_childrens_tokens(rows, vocab, k, temperature, dtype, seed):
+    """row_topk with a seed draws pick_children's torch-form children (same counter-based
+    uniforms, same float32 keys), in draw order, with log q at the drawn tokens."""
+    from flashspec.tree import pick_children
+    g = torch.Generator().manual_seed(seed % 9973)
+    x = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    s = torch.tensor(seed)
+    streams = torch.arange(rows) * 1024 + 5
+    params = SamplingParams(temperature=temperature)
+    want_tok, want_lp = pick_children(x, k, params, None, s, streams)
+    tok, lp = row_topk(x, k, inverse_temperature(temperature), s, streams)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-4)
+
+
+def test_gumbel_topk_draws_without_replacement_and_a_planted_bug_fails():
+    """The first two of k = 2 Gumbel top-k draws over 4,000 streams against the law of two
+    draws without replacement from softmax(x / T) (χ² over ordered pairs); the same keys
+    without the temperature (a planted bug) fail. Torch form (the kernel equals it, above)."""
+    from flashspec.tree import pick_children
+    vocab, n, t = 6, 4000, 0.6
+    x = torch.linspace(-1.5, 1.5, vocab)
+    p = torch.softmax(x / t, -1)
+    pairs = p[:, None] * p[None, :] / (1 - p[:, None])            # P(first i, then j)
+    pairs.fill_diagonal_(0)
+    logits = x.expand(n, vocab).contiguous()
+
+    def p_value(temperature: float) -> float:
+        tok, _ = pick_children(logits, 2, SamplingParams(temperature=temperature), None,
+                               torch.tensor(17), torch.arange(n))
+        assert (tok[:, 0] != tok[:, 1]).all()
+        counts = np.bincount((tok[:, 0] * vocab + tok[:, 1]).numpy(), minlength=vocab * vocab)
+        law = pairs.flatten().double().numpy()
+        keep = law > 0
+        return float(sps.chisquare(counts[keep], law[keep] / law[keep].sum() * n).pvalue)
+
+    assert p_value(t) > 1e-3
+    assert p_value(1.0) < 1e-6

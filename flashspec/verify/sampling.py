@@ -62,10 +62,10 @@ def warp_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if not params.greedy:
         x = x / params.temperature
-    return torch.log_softmax(_mask_warps(x, params), dim=-1)
+    return torch.log_softmax(mask_warps(x, params), dim=-1)
 
 
-def _mask_warps(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def mask_warps(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits with the tokens top-k and top-p drop set to -inf."""
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
@@ -120,7 +120,7 @@ def gumbel_draw(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor
     """The torch form of ``sample``'s counter-based draw (any warp)."""
     from flashspec.verify import rng
     x = logits.float() * inverse_temperature(params.temperature)
-    x = _mask_warps(x, params)
+    x = mask_warps(x, params)
     flat = x.reshape(-1, x.shape[-1])
     rows = torch.arange(flat.shape[0], device=flat.device)
     cols = torch.arange(flat.shape[1], device=flat.device)
