@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from flashspec.bandits import UCB1
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
@@ -71,6 +72,7 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
         "eagle3_res": lambda: SpecEngine(model, [Arm(eagle, 3)], **res),
         "eagle4_res": lambda: SpecEngine(model, [Arm(eagle, 4)], **res),
         "eagle5_res": lambda: SpecEngine(model, [Arm(eagle, 5)], **res),
+        "eagle15_res": lambda: SpecEngine(model, [Arm(eagle, 15)], **res),   # a tree's width
         "eagle5_res_planner": lambda: SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
         "ngram8_res": lambda: SpecEngine(model, [Arm(ngram, 8)], **res),
         "ngram8_res_planner": lambda: SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
@@ -81,6 +83,10 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
         if i == 0:
             make[f"tree_{arm.tree.label}_res_planner"] = lambda arm=arm: SpecEngine(
                 model, [arm], planner=WidthPlanner(), **res)
+            # the bandit choosing between the chain and the tree by tokens per second
+            make[f"eagle4_tree_{arm.tree.label}_res_ucb"] = lambda arm=arm: SpecEngine(
+                model, [Arm(eagle, 4), arm], policy=UCB1(2, reward="tps", reward_scale=4000.0),
+                **res)
     if not params.greedy:   # drafter calibration at T > 0: flatter / sharper draft distributions
         for t in (0.7, 1.4):
             hot = drafter(model, None, checkpoint, str(model.device), t) if keep(
