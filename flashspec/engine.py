@@ -233,7 +233,8 @@ class SpecEngine:
         if self.resident_loop is None:
             self.resident_loop = ResidentLoop(self.target, self.cache, self.backend_impl,
                                               self.params, sorted(self.eos_ids), batch,
-                                              max(a.gamma for a in self.arms), self.graphs)
+                                              max(a.gamma for a in self.arms), self.graphs,
+                                              self.drafters)
         self.resident_loop.prepare(self._resident_arms())
 
     @property
@@ -370,6 +371,8 @@ class SpecEngine:
             return self._generate_resident(prompts, max_new_tokens, domain, t0, capture0)
         state = self._start(prompts, max_new_tokens)
         state.domain = domain
+        for drafter in self.drafters:
+            drafter.start(state)
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
         budgets = [max_new_tokens] * len(prompts)
         t_decode = time.perf_counter()
@@ -419,7 +422,7 @@ class SpecEngine:
         loop = self.resident_loop
         for drafter in self.drafters:
             drafter.resident_start(state, loop.capture)
-        loop.state.load(state, max_new_tokens, self.seed, self.calls)
+        loop.load(state, max_new_tokens, self.seed, self.calls)
         batch = len(prompts)
         rows = [RowResult(tokens=[], n_prompt_tokens=len(p)) for p in prompts]
         if self.planner is not None:

@@ -132,8 +132,11 @@ class ResidentLoop:
     """
 
     def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
-                 eos_ids: Sequence[int], batch: int, gamma_max: int, capture: bool) -> None:
+                 eos_ids: Sequence[int], batch: int, gamma_max: int, capture: bool,
+                 drafters: Sequence[Drafter] = ()) -> None:
         self.target, self.cache, self.params = target, cache, params
+        self.drafters = list(drafters)     # every step's hidden states go to each of them
+        self.behind: dict[int, int] = {}   # per drafter: latest tokens its window may not cover
         self.verify, self.verify_tree = backend.verify, backend.verify_tree
         dev = target.device
         self.capture = capture and dev.type == "cuda"
@@ -161,14 +164,14 @@ class ResidentLoop:
         s = self.state
         for arm in arms:
             known = self.graphs.get(self._key(arm))
-            if known is not None and known[1] == self._signature(arm[0]):
+            if known is not None and known[1] == self._signature():
                 continue
             s.lengths.fill_(arm[1] + 2)
             s.budgets.fill_(1 << 30)
             s.finished.zero_()
             t0 = time.perf_counter()
             graph, _ = capture_graph(lambda: self.step(*arm))
-            self.graphs[self._key(arm)] = (graph, self._signature(arm[0]))
+            self.graphs[self._key(arm)] = (graph, self._signature())
             self.capture_s += time.perf_counter() - t0
 
     @staticmethod
@@ -176,10 +179,10 @@ class ResidentLoop:
         drafter, gamma, *tree = arm
         return (None, 0) if drafter is None or gamma == 0 else (id(drafter), gamma, *tree)
 
-    @staticmethod
-    def _signature(drafter: Drafter | None) -> tuple:
-        """The drafter buffers a graph was recorded on (a reallocation invalidates it)."""
-        return () if drafter is None else drafter.resident_buffers()
+    def _signature(self) -> tuple:
+        """The drafter buffers the graphs were recorded on (a reallocation invalidates them):
+        every step writes its hidden states to every drafter."""
+        return tuple(d.resident_buffers() for d in self.drafters)
 
     # ------------------------------------------------------------------ one step
     def step(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None) -> None:
@@ -201,8 +204,7 @@ class ResidentLoop:
         positions = (lengths - 1)[:, None] + self.cols[:gamma + 1]
         hidden = target.forward_hidden(feed, positions, self.cache)
         out, n_acc = self.verify(target.logits(hidden), drafts, q, self.params, verify_seed)
-        if drafter is not None and gamma:
-            drafter.resident_absorb(hidden, lengths)
+        self._absorb(hidden, lengths)
         self._commit(out, n_acc, gamma, real)
         s.calls.add_(1)
 
@@ -217,9 +219,15 @@ class ResidentLoop:
         hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, tree=attention)
         out, n_acc, path = self.verify_tree(self.target.logits(hidden), tree, self.params,
                                             verify_seed, depth=depth)
-        drafter.resident_absorb(compact_path(self.cache, hidden, path, lengths), lengths)
+        self._absorb(compact_path(self.cache, hidden, path, lengths), lengths)
         self._commit(out, n_acc, depth, None)
         s.calls.add_(1)
+
+    def _absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The target's hidden states of a step (fed at lengths - 1 + j) to every drafter, also
+        those that did not draft it: a later catch-up reads them."""
+        for drafter in self.drafters:
+            drafter.resident_absorb(hidden, lengths)
 
     def _commit(self, out: torch.Tensor, n_acc: torch.Tensor, gamma: int,
                 real: torch.Tensor | None) -> None:
@@ -250,10 +258,32 @@ class ResidentLoop:
         s.bad.logical_or_((n_acc < 0) & live)
 
     # ------------------------------------------------------------------ driving
+    def load(self, state: DecodeState, max_new_tokens: int, seed: int, calls: int) -> None:
+        """Start a batch (:meth:`DeviceState.load`); the drafters have caught up on the prompts."""
+        self.state.load(state, max_new_tokens, seed, calls)
+        self.behind = {id(d): 0 for d in self.drafters}
+
+    def _catch_up(self, arm: StepKey, n_steps: int) -> None:
+        """Before a drafter drafts: catch it up over the latest committed tokens its window
+        (the last γ + 1) would miss. A step of γ commits at most γ + 1 tokens per row (a tree of
+        depth D: D + 1; a plain step: 1), which the same drafter's next window covers; a drafter
+        that did not draft a step falls behind by that many."""
+        drafter, gamma = arm[0], arm[1]
+        drafting = drafter if drafter is not None and gamma else None
+        if drafting is not None and self.behind.get(id(drafting), 0) > gamma + 1:
+            width = min(1 << (self.behind[id(drafting)] - 1).bit_length(),
+                        self.state.tokens.shape[1] - 1)
+            drafting.resident_catch_up(self.state.tokens, self.state.lengths, width, self.capture)
+        for d in self.drafters:
+            self.behind[id(d)] = (gamma + 1 if d is drafting
+                                  else self.behind.get(id(d), 0) + n_steps * (gamma + 1))
+
     def launch(self, arm: StepKey, n_steps: int) -> None:
-        """Run ``n_steps`` steps of ``arm`` (graph replays when captured)."""
+        """Run ``n_steps`` steps of ``arm`` (graph replays when captured), the drafter caught
+        up first where it needs it."""
+        self._catch_up(arm, n_steps)
         entry = self.graphs.get(self._key(arm))
-        if entry is not None and entry[1] != self._signature(arm[0]):
+        if entry is not None and entry[1] != self._signature():
             raise FlashSpecError("a drafter reallocated its buffers after its resident step was "
                                  "captured; build the engine again for the new batch shape")
         for _ in range(n_steps):

@@ -5,11 +5,13 @@ The distribution gate of the resident path is in test_exactness_engine.py (``*_r
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from flashspec.bandits import UCB1
+from flashspec.bandits.base import Policy
 from flashspec.bandits.contextual import PerDomain
 from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import device_lookup, lookup
@@ -159,6 +161,55 @@ def test_resident_bandit_and_planner_keep_greedy_output(small, drafters, eos):
               chunk=2)
     assert [r.tokens for r in got] == ar
     assert set(planner.seen) >= {0, 2, 4}, "the planner probes widths 0, γ/2 and γ"
+
+
+class Cycle(Policy):
+    """Plays arm 0 for ``run`` steps, then arm 1, ... (a fixed schedule, no learning)."""
+
+    name = "cycle"
+    learns = False
+
+    def __init__(self, n_arms: int, run: int) -> None:
+        super().__init__(n_arms)
+        self.run, self.calls = run, 0
+
+    def select_many(self, context=None) -> np.ndarray:
+        arm = (self.calls // self.run) % self.n_arms
+        self.calls += 1
+        return np.array([arm])
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The whole SmolLM2 (fp32) with the trained EAGLE drafter and its rank-72 head, and a
+    layer-skip drafter: drafters that are accepted often enough for their drafts to show."""
+    from flashspec.heads import LowRankChoice
+    model, tok = load_model("smollm2")
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       return_dict=True)["input_ids"] for t in TEXTS]
+    eagle = EagleDrafter.build(DraftContext(model, tok), "eagle", checkpoint=str(EAGLE),
+                               head=LowRankChoice(rank=72, init="trained"))
+    return model, prompts, {"eagle": eagle, "skip": ModelDrafter(model, list(range(26)),
+                                                                 name="first26")}
+
+
+@pytest.mark.parametrize("name", ["eagle", "skip"])
+def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
+    """Plain target steps, and a narrower γ after a wider one, commit tokens outside the
+    drafter's fixed resident window: the resident loop catches the drafter up over them before
+    it drafts again, and the reference loop keeps the prompt's features when the first step is
+    not the drafter's. The two loops then draft alike: same tokens, steps, accepted counts and
+    histograms, with drafts accepted (the EAGLE case failed without either fix; the layer-skip
+    drafter reads the target's own cache and cannot fall behind)."""
+    model, prompts, drafters = smol
+    drafter = drafters[name]
+    arms = [Arm(None, 0), Arm(drafter, 4), Arm(drafter, 1), Arm(drafter, 3)]
+    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), 3))
+    got = run(model, prompts, arms, [], policy=Cycle(len(arms), 3), resident=True, chunk=1)
+    assert sum(r.n_accepted for r in ref) > 10
+    assert [r.tokens for r in got] == [r.tokens for r in ref]
+    assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+           [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
 
 
 def test_resident_refuses_what_it_cannot_run(small, drafters):

@@ -102,6 +102,11 @@ class Drafter(ABC):
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafts [B, γ'] and the logits they were sampled from (None when one-hot)."""
 
+    def start(self, state: DecodeState) -> None:
+        """After the target's prefill of ``state`` (the reference loop): keep what the drafter
+        needs of the prompt before any step replaces ``state.hidden`` (the first step may be
+        another arm's)."""
+
     def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
         """Rows advanced by n_accepted[b] + 1 tokens (already in ``state``)."""
 
@@ -144,6 +149,12 @@ class Drafter(ABC):
     def resident_start(self, state: DecodeState, capture: bool = False) -> None:
         """After the target's prefill of ``state``: catch up on the prompts (``capture``: the
         resident steps are CUDA graphs, so may this be)."""
+
+    def resident_catch_up(self, tokens: torch.Tensor, lengths: torch.Tensor, width: int,
+                          capture: bool = False) -> None:
+        """Run over the last ``width`` committed tokens of ``tokens`` [B, C] of ``lengths`` [B]
+        (their drafter state becomes valid): before drafting again after steps that committed
+        tokens outside the drafter's own window (plain steps, other arms, a wider γ)."""
 
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor
@@ -232,8 +243,9 @@ class GraphedDrafting:
 
     resident = True
 
-    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
-        """Run the drafter over a window (its cache slots become valid); no drafting."""
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
+        """Run the drafter over a window (its cache slots become valid); no drafting. ``span``
+        None: the whole cache."""
         raise NotImplementedError
 
     _start_graphs: GraphCache | None = None
@@ -253,6 +265,21 @@ class GraphedDrafting:
             graphs = self._start_graphs = GraphCache(
                 lambda k, t, p: self._catch_up(t, p, k[1]), capture, pool)
         graphs(key, tokens, positions)
+
+    _catch_graphs: GraphCache | None = None
+
+    def resident_catch_up(self, tokens: torch.Tensor, lengths: torch.Tensor, width: int,
+                          capture: bool = False) -> None:
+        """The window of the last ``width`` committed tokens through ``_catch_up`` over the
+        whole cache; one CUDA graph per (batch, width) with ``capture``."""
+        key = (tokens.shape[0], width, self.resident_buffers())
+        graphs = self._catch_graphs
+        if graphs is None or graphs.capture != capture or any(k[2] != key[2] for k in graphs.slots):
+            pool = torch.cuda.graph_pool_handle() if capture else None
+            graphs = self._catch_graphs = GraphCache(
+                lambda k, t, n: self._catch_up(*resident_window(t, n, k[1])[:2], None),
+                capture, pool)
+        graphs(key, tokens, lengths)
 
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor

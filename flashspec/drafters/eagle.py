@@ -80,6 +80,9 @@ class EagleDrafter(GraphedDrafting, Drafter):
         self.feats.zero_()
         self.filled, self.known = [0] * batch, [0] * batch
 
+    def start(self, state: DecodeState) -> None:
+        self._absorb(state)       # the prompt's features, before a plain step replaces them
+
     def _absorb(self, state: DecodeState) -> None:
         """Copy the committed columns of ``state.hidden`` into the feature buffer (idempotent)."""
         if state.hidden is None or not any(state.hidden_valid):
@@ -215,7 +218,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         self._absorb(state)
         super().resident_start(state, capture)
 
-    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
         feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
         self._run(feats, tokens, positions, span)
 

@@ -105,7 +105,7 @@ class ModelDrafter(GraphedDrafting, Drafter):
                                     None if span is None else span + i + 1)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
-    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+    def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
         self.model.forward_hidden(tokens, positions, self.cache, self.layers, span)
 
     def resident_buffers(self) -> tuple:
