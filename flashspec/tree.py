@@ -287,7 +287,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
     depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
     score = torch.zeros(batch, m + 1, device=dev)
-    bits = own_bits(0, m + 1, -(-(m + 1) // 64), dev)[None, :1].repeat(batch, m + 1, 1)
+    bits = own_bits(0, 1, -(-(m + 1) // 64), dev).repeat(batch, m + 1, 1)   # every node: the root
     sampled = not params.greedy
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)

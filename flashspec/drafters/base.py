@@ -258,13 +258,9 @@ class GraphedDrafting:
         (batch, bucket)."""
         width = bucketed(max(state.lengths), state.tokens.shape[1])
         tokens, positions = state.window([0] * state.batch, width)
-        key = (state.batch, width, self.resident_buffers())
-        graphs = self._start_graphs
-        if graphs is None or graphs.capture != capture or any(k[2] != key[2] for k in graphs.slots):
-            pool = torch.cuda.graph_pool_handle() if capture else None
-            graphs = self._start_graphs = GraphCache(
-                lambda k, t, p: self._catch_up(t, p, k[1]), capture, pool)
-        graphs(key, tokens, positions)
+        graphs = self._window_graphs("_start_graphs", lambda k, t, p: self._catch_up(t, p, k[1]),
+                                     capture)
+        graphs((state.batch, width, self.resident_buffers()), tokens, positions)
 
     _catch_graphs: GraphCache | None = None
 
@@ -272,14 +268,21 @@ class GraphedDrafting:
                           capture: bool = False) -> None:
         """The window of the last ``width`` committed tokens through ``_catch_up`` over the
         whole cache; one CUDA graph per (batch, width) with ``capture``."""
-        key = (tokens.shape[0], width, self.resident_buffers())
-        graphs = self._catch_graphs
-        if graphs is None or graphs.capture != capture or any(k[2] != key[2] for k in graphs.slots):
+        graphs = self._window_graphs(
+            "_catch_graphs", lambda k, t, n: self._catch_up(*resident_window(t, n, k[1])[:2], None),
+            capture)
+        graphs((tokens.shape[0], width, self.resident_buffers()), tokens, lengths)
+
+    def _window_graphs(self, attr: str, fn, capture: bool) -> GraphCache:
+        """The :class:`GraphCache` kept in ``attr`` (keys: batch, width, drafter buffers), built
+        anew when the capture mode changed or the drafter reallocated its buffers since its
+        graphs were recorded."""
+        graphs, buffers = getattr(self, attr), self.resident_buffers()
+        if graphs is None or graphs.capture != capture or any(k[2] != buffers for k in graphs.slots):
             pool = torch.cuda.graph_pool_handle() if capture else None
-            graphs = self._catch_graphs = GraphCache(
-                lambda k, t, n: self._catch_up(*resident_window(t, n, k[1])[:2], None),
-                capture, pool)
-        graphs(key, tokens, lengths)
+            graphs = GraphCache(fn, capture, pool)
+            setattr(self, attr, graphs)
+        return graphs
 
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor
