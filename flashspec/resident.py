@@ -173,6 +173,19 @@ class ResidentLoop:
             graph, _ = capture_graph(lambda: self.step(*arm))
             self.graphs[self._key(arm)] = (graph, self._signature())
             self.capture_s += time.perf_counter() - t0
+        if len({self._key(arm) for arm in arms}) > 1:
+            self._prepare_catch_up({arm[0]: None for arm in arms if arm[0] is not None and arm[1]})
+
+    def _prepare_catch_up(self, drafters: dict[Drafter, None]) -> None:
+        """Capture every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
+        from 4 to the cache) with the steps: when the loop switches between kinds of steps, a
+        window captured on first use would fall inside the decode. (Drafters count the time in
+        their own ``capture_s``.)"""
+        s, top = self.state, self.state.tokens.shape[1] - 1
+        s.lengths.fill_(top)
+        for drafter in drafters:
+            for width in catch_up_widths(top):
+                drafter.resident_catch_up(s.tokens, s.lengths, width, capture=True)
 
     @staticmethod
     def _key(arm: StepKey) -> Hashable:
@@ -271,8 +284,7 @@ class ResidentLoop:
         drafter, gamma = arm[0], arm[1]
         drafting = drafter if drafter is not None and gamma else None
         if drafting is not None and self.behind.get(id(drafting), 0) > gamma + 1:
-            width = min(1 << (self.behind[id(drafting)] - 1).bit_length(),
-                        self.state.tokens.shape[1] - 1)
+            width = catch_up_width(self.behind[id(drafting)], self.state.tokens.shape[1] - 1)
             drafting.resident_catch_up(self.state.tokens, self.state.lengths, width, self.capture)
         for d in self.drafters:
             self.behind[id(d)] = (gamma + 1 if d is drafting
@@ -316,6 +328,17 @@ class ResidentLoop:
 
     def histogram(self) -> list[list[int]]:
         return self.state.hist.tolist()
+
+
+def catch_up_width(behind: int, top: int) -> int:
+    """The catch-up window of a drafter ``behind`` tokens behind (> γ + 1 >= 2): the next power
+    of two, at most the ``top`` committed tokens a row can hold (one graph per width)."""
+    return min(1 << (behind - 1).bit_length(), top)
+
+
+def catch_up_widths(top: int) -> list[int]:
+    """Every width :func:`catch_up_width` gives (``behind`` from 3 up)."""
+    return sorted({catch_up_width(b, top) for b in (1 << k for k in range(2, top.bit_length() + 1))})
 
 
 def steps_left(counters: dict[str, list[int]]) -> int:

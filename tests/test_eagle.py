@@ -21,7 +21,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.models import load_model
 from flashspec.models.llama import LlamaLM
 from flashspec.drafters.eagle_checkpoint import load_eagle, read_eagle_metadata, save_eagle
-from flashspec.training.train import Batch, TrainConfig, forward_passes
+from flashspec.training.train import Batch, TrainConfig, build_module, forward_passes
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ROOT / "checkpoints" / "smollm2_eagle.safetensors"
@@ -204,6 +204,29 @@ def test_committed_checkpoint_provenance():
     assert prov["steps"] > 0 and prov["commit"] and prov["seed"] is not None
     for name, ids in prov["data"]["train_prompt_ids"].items():
         assert ids and not set(ids) & set(split_ids(name, "eval")), name
+
+
+def test_training_continues_from_a_checkpoint(smol):
+    """``train.init=checkpoint:<file>`` starts from a trained drafter and its low-rank head (the
+    same weights, in float32); a head of another rank or another architecture is refused."""
+    from flashspec.heads import LowRankChoice
+    model, _ = smol
+    path = "checkpoints/smollm2_eagle_lr72.safetensors"
+    trained, trained_head, _ = load_eagle(ROOT / path, model)
+    cfg = TrainConfig(init=f"checkpoint:{path}", n_layers=1, out_norm=True, in_norm=True)
+    head = LowRankChoice(rank=72, init="svd").build(model.lm_head_weight).float()
+    module = build_module(model, cfg, head)
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    got, want = module.state_dict(), trained.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k].float()) for k in want)
+    assert torch.equal(head.w_up, trained_head.w_up.float())
+    assert torch.equal(head.w_down, trained_head.w_down.float())
+    other = LowRankChoice(rank=36, init="svd").build(model.lm_head_weight).float()
+    with pytest.raises(FlashSpecError, match="rank-36"):
+        build_module(model, cfg, other)
+    with pytest.raises(FlashSpecError, match="n_layers"):
+        build_module(model, TrainConfig(init=f"checkpoint:{path}", n_layers=2), head)
 
 
 def test_train_drafter_smoke(tmp_path):

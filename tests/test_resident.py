@@ -20,7 +20,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
-from flashspec.resident import Snapshot, run_chunks
+from flashspec.resident import Snapshot, catch_up_width, catch_up_widths, run_chunks
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from test_exactness_engine import EAGLE
@@ -210,6 +210,19 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
            [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+@pytest.mark.parametrize("top", [3, 5, 64, 1024, 1030, 4096])
+def test_catch_up_windows_captured_up_front_cover_every_window(top):
+    """On a GPU, ``ResidentLoop.prepare`` captures the catch-up windows of ``catch_up_widths``
+    before the prefill; a window outside that set would be captured inside the decode. Every
+    lag a drafter can have (> γ + 1 >= 2 tokens, up to the whole buffer and past it) maps into
+    the set, each window covers its lag unless the buffer is shorter, and nothing else is in it."""
+    widths = catch_up_widths(top)
+    got = {catch_up_width(behind, top) for behind in range(3, 2 * top + 3)}
+    assert got == set(widths)
+    assert all(catch_up_width(b, top) >= min(b, top) for b in range(3, 2 * top + 3))
+    assert all(w == top or w & (w - 1) == 0 for w in widths)   # one graph per power of two
 
 
 def test_resident_refuses_what_it_cannot_run(small, drafters):

@@ -199,7 +199,9 @@ class GraphedDrafting:
     step after a prompt) always run eagerly.
     """
 
-    graphs: GraphCache | None = None
+    graphs: GraphCache | None = None          # drafting, per (batch, window, γ, params)
+    _start_graphs: GraphCache | None = None   # prompt catch-up, per (batch, bucket, buffers)
+    _catch_graphs: GraphCache | None = None   # catch-up windows, per (batch, width, buffers)
     _catching_up: bool = False
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
@@ -214,7 +216,9 @@ class GraphedDrafting:
 
     @property
     def capture_s(self) -> float:
-        return self.graphs.capture_s if self.graphs is not None else 0.0
+        """Capture time of every graph of this drafter: drafting, prompt catch-up, catch-up."""
+        caches = (self.graphs, self._start_graphs, self._catch_graphs)
+        return sum(c.capture_s for c in caches if c is not None)
 
     def prepare_graphs(self, batch: int, gamma: int, params: SamplingParams,
                        device: torch.device, capture: bool) -> None:
@@ -248,8 +252,6 @@ class GraphedDrafting:
         None: the whole cache."""
         raise NotImplementedError
 
-    _start_graphs: GraphCache | None = None
-
     def resident_start(self, state: DecodeState, capture: bool = False) -> None:
         """Run the drafter over the prompts (its cache slots become valid). As with the
         target's :class:`flashspec.graphs.Prefill`, the window is padded to a bucket of
@@ -261,8 +263,6 @@ class GraphedDrafting:
         graphs = self._window_graphs("_start_graphs", lambda k, t, p: self._catch_up(t, p, k[1]),
                                      capture)
         graphs((state.batch, width, self.resident_buffers()), tokens, positions)
-
-    _catch_graphs: GraphCache | None = None
 
     def resident_catch_up(self, tokens: torch.Tensor, lengths: torch.Tensor, width: int,
                           capture: bool = False) -> None:

@@ -134,9 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              config=config, dir=opts.out_dir)
         head = None
         if args.head_rank:
-            from flashspec.heads import build_head
-            head = build_head({"kind": "lowrank", "rank": args.head_rank}, target.lm_head_weight,
-                              target.shape.hidden_size).float()
+            from flashspec.heads import LowRankChoice
+            head = LowRankChoice(rank=args.head_rank, init="svd").build(
+                target.lm_head_weight, None, "train_drafter").float()
         summary = run_job(target, tokenizer, opts, head, logger, provenance(config, args.seed))
         logger.finish()
     except FlashSpecError as e:

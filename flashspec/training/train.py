@@ -75,6 +75,7 @@ class TrainConfig:
     out_norm: bool = False
     in_norm: bool = False
     init: str = "random"            # random | layer:<i> (copy target block i into every block)
+    #                                 | checkpoint:<file> (continue from a trained drafter)
 
     def __post_init__(self) -> None:
         if self.loss_on not in ("response", "all"):
@@ -115,21 +116,47 @@ class EvalSet:
 
 
 # ---------------------------------------------------------------------- module setup
-def build_module(target: LlamaLM, cfg: TrainConfig) -> EagleModule:
-    """A fresh drafter module in float32 on the target's device."""
+def build_module(target: LlamaLM, cfg: TrainConfig, head: nn.Module | None = None
+                 ) -> EagleModule:
+    """The drafter module in float32 on the target's device: fresh, or (``init:
+    checkpoint:<file>``) a trained drafter's weights, its low-rank head copied into ``head``."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    module = EagleModule(target.shape, EagleConfig(n_layers=cfg.n_layers, out_norm=cfg.out_norm,
-                                                      in_norm=cfg.in_norm))
+    config = EagleConfig(n_layers=cfg.n_layers, out_norm=cfg.out_norm, in_norm=cfg.in_norm)
+    module = EagleModule(target.shape, config)
     module.init_weights(generator=gen)
+    if cfg.init.startswith("checkpoint:"):
+        warm_start(module, head, target, cfg.init.split(":", 1)[1])
+        return module.float().to(target.device)
     if cfg.init.startswith("layer:"):
         src = target.layers[int(cfg.init.split(":", 1)[1])].state_dict()
         for block in module.layers:
             block.load_state_dict({k: v.float() for k, v in src.items()})
     elif cfg.init != "random":
-        raise FlashSpecError(f"init={cfg.init!r}; choose random or layer:<i>")
+        raise FlashSpecError(f"init={cfg.init!r}; choose random, layer:<i> or checkpoint:<file>")
     if module.norm is not None:
         module.norm.weight.data.copy_(target.norm.weight.float())
     return module.to(target.device)
+
+
+def warm_start(module: EagleModule, head: nn.Module | None, target: LlamaLM, path: str) -> None:
+    """Copy a trained drafter (and its low-rank head, when ``head`` is one of the same rank)
+    into ``module`` / ``head``; the architecture must match the training config."""
+    from flashspec.drafters.eagle_checkpoint import load_eagle
+    from flashspec.paths import repo_path
+    trained, trained_head, meta = load_eagle(repo_path(path), target)
+    if trained.config != module.config:
+        raise FlashSpecError(f"init={path}: the checkpoint's drafter is {trained.config}, the "
+                             f"training config asks for {module.config}; set train.n_layers, "
+                             "train.out_norm and train.in_norm to match")
+    module.load_state_dict({k: v.float() for k, v in trained.state_dict().items()})
+    if getattr(head, "kind", None) == "lowrank":
+        if trained_head is None or trained_head.rank != head.rank:
+            raise FlashSpecError(f"init={path}: the checkpoint holds head {meta.get('head')}, the "
+                                 f"run trains a rank-{head.rank} head; train the head from its SVD "
+                                 "(init=random) or pick a checkpoint of that rank")
+        with torch.no_grad():
+            head.w_down.copy_(trained_head.w_down.float())
+            head.w_up.copy_(trained_head.w_up.float())
 
 
 # ---------------------------------------------------------------------- batching
@@ -478,7 +505,7 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     data = data if isinstance(data, Store) else to_store(data, target.device)
-    module = build_module(target, cfg)
+    module = build_module(target, cfg, head)
     head_module = head if head is not None else target.lm_head
     params = [p for p in module.parameters()] + [p for p in head_module.parameters() if p.requires_grad]
     fused = dev_type == "cuda" and all(p.dtype == torch.float32 and p.is_cuda for p in params)

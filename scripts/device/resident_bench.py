@@ -143,7 +143,10 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
 
 
 def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
-             device: str, trees: list[str], only: list[str] | None) -> None:
+             device: str, trees: list[str], only: list[str] | None,
+             eagle_b: str | None = None) -> None:
+    """One cell; ``eagle_b``: a second drafter checkpoint whose EAGLE methods (suffix ``_b``)
+    run beside the first's on the same prompts, interleaved with them."""
     dataset, batch, temperature = CELLS[name]
     params = SamplingParams(temperature=temperature)
     prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts(dataset, n=max(n, batch),
@@ -151,6 +154,11 @@ def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int
     eagle = drafter(model, tok, eagle_ckpt, device)
     engines = methods(model, eagle, NgramDrafter(), params, [tok.eos_token_id], batch, eagle_ckpt,
                       trees, only)
+    if eagle_b is not None:
+        second = methods(model, drafter(model, tok, eagle_b, device), NgramDrafter(), params,
+                         [tok.eos_token_id], batch, eagle_b, trees, only)
+        engines.update({f"{m}_b": e for m, e in second.items()
+                        if m not in ("ar_ref", "ar_res") and ("eagle" in m or "tree" in m)})
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     t_cold = {}
     for m, e in engines.items():
@@ -241,6 +249,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf")
     ap.add_argument("--eagle", default="checkpoints/smollm2_eagle_lr72.safetensors")
+    ap.add_argument("--eagle-b", help="a second drafter checkpoint, its methods suffixed _b")
     ap.add_argument("--cells", nargs="*", default=list(CELLS))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new", type=int, default=128)
@@ -268,7 +277,8 @@ def main() -> int:
         return 0
     for cell in a.cells:
         t0 = time.perf_counter()
-        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device, a.trees, a.methods)
+        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device, a.trees, a.methods,
+                 a.eagle_b)
         emit(out, cell=cell, wall_s=round(time.perf_counter() - t0, 1))
     return 0
 

