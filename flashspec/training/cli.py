@@ -117,7 +117,7 @@ def build_data(target, tokenizer, opts) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from flashspec.models import load_model
-    from flashspec.records import WandbLogger, provenance
+    from flashspec.records import NullLogger, WandbLogger, provenance
     from flashspec.training.run import run_job
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
@@ -130,8 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = {"cli": vars(args), "dtype": dtype}
         if args.data_only:
             return build_data(target, tokenizer, opts)
-        logger = WandbLogger(mode=args.wandb, project="flashspec", name="train_drafter",
-                             config=config, dir=opts.out_dir)
+        logger = NullLogger() if args.wandb == "disabled" else WandbLogger(
+            mode=args.wandb, project="flashspec", name="train_drafter", config=config,
+            dir=opts.out_dir)
         head = None
         if args.head_rank:
             from flashspec.heads import LowRankChoice
