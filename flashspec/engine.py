@@ -203,23 +203,30 @@ class SpecEngine:
     def _graph_drafters(self, batch: int) -> None:
         """Model drafters draft chains through CUDA graphs too (static buffers on a CPU),
         captured for every γ' up to their chain arms' largest γ (the planner may verify fewer
-        drafts); the tree step runs eagerly, so tree arms capture nothing."""
+        drafts, and draft a chain of a tree arm's drafter); the tree step itself runs eagerly."""
         capture = self.target.device.type == "cuda"
         for drafter in self.drafters:
-            gammas = [a.gamma for a in self.arms if a.drafter is drafter and a.tree is None]
+            gammas = [a.gamma for a in self._chain_arms() if a.drafter is drafter]
             if gammas:
                 drafter.prepare_graphs(batch, max(gammas), self.params, self.target.device, capture)
 
+    def _chain_arms(self) -> list[Arm]:
+        """The arms that may draft a chain: chain arms, and tree arms under the planner (a
+        chain of the tree's drafter, up to its depth)."""
+        return [a for a in self.arms if a.tree is None or self.planner is not None]
+
     def _resident_arms(self) -> list[tuple]:
         """Every step the resident loop may launch: (drafter, γ') chains (the planner: any
-        γ' <= γ), (drafter, depth, shape) trees, (None, 0) plain target steps."""
+        γ' <= γ, for a tree arm any γ' <= its depth), (drafter, depth, shape) trees, (None, 0)
+        plain target steps."""
         arms: dict = {}
+        chains = {id(a) for a in self._chain_arms()}
         for arm in self.arms:
             if arm.drafter is None or arm.gamma == 0 or self.planner is not None:
                 arms[(None, 0)] = None
             if arm.tree is not None:
                 arms[self._tree_key(arm)] = None
-            elif arm.drafter is not None:
+            if arm.drafter is not None and id(arm) in chains:
                 for g in (range(1, arm.gamma + 1) if self.planner is not None else [arm.gamma]):
                     arms[(arm.drafter, g)] = None
         return list(arms)
@@ -250,7 +257,7 @@ class SpecEngine:
         """Verify widths the chain arms can produce -> whether a full-q (draft logits) step
         occurs (a tree step does not run through the step runner)."""
         widths: dict[int, bool] = {1: False}
-        for arm in (a for a in self.arms if a.tree is None):
+        for arm in self._chain_arms():
             one_hot = arm.drafter is None or arm.drafter.one_hot
             for w in range(2, arm.gamma + 2):
                 widths[w] = widths.get(w, False) or not one_hot
@@ -262,13 +269,15 @@ class SpecEngine:
         if self.planner is None or arm.drafter is None or arm.gamma == 0:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
-        if arm.tree is not None:   # all or nothing: the tree or a plain target step
-            return (arm if self.planner.plan_tree(arm.tree.label, live) else Arm(None, 0)), \
-                [0] * state.batch
 
         def avail() -> list[int]:   # asked only when drafting might pay (n-gram: one lookup, kept)
             return arm.drafter.available(state, arm.gamma)
-        k = self.planner.plan(arm.gamma, avail, live)
+        if arm.tree is not None:   # the whole tree, or a chain of its drafter (0: plain)
+            k = self.planner.plan_tree(arm.tree.label, arm.gamma, live)
+            if k is None:
+                return arm, [0] * state.batch
+        else:
+            k = self.planner.plan(arm.gamma, avail, live)
         if k == 0:
             return Arm(None, 0), [0] * state.batch
         return Arm(arm.drafter, k), [min(k, a) for a in avail()]
@@ -438,15 +447,17 @@ class SpecEngine:
             arm_id = self.policy.select(context)
             arm = self.arms[arm_id]
             k = arm.gamma if arm.drafter is not None else 0
+            tree = arm.tree is not None and k > 0
             if self.planner is not None and k:
                 live = [0 if f else b for f, b in zip(last["finished"], last["budgets"])]
-                if arm.tree is not None:     # all or nothing, as in the reference loop
-                    k = k if self.planner.plan_tree(arm.tree.label, live) else 0
+                if tree:     # the tree, or a chain of its drafter, as in the reference loop
+                    chain = self.planner.plan_tree(arm.tree.label, arm.gamma, live)
+                    tree, k = chain is None, arm.gamma if chain is None else chain
                 else:
                     k = self.planner.plan(arm.gamma, [arm.gamma if n else 0 for n in live], live)
-            if k and arm.tree is not None:
-                return self._tree_key(arm), (arm_id, k, context)
-            return (arm.drafter if k else None, k), (arm_id, k, context)
+            if tree:
+                return self._tree_key(arm), (arm_id, k, context, True)
+            return (arm.drafter if k else None, k), (arm_id, k, context, False)
 
         def observe(snap: Snapshot, now: dict[str, list[int]]) -> None:
             delta = {k: [a - b for a, b in zip(now[k], last[k])] for k in COUNTERS[:4]}
@@ -454,11 +465,11 @@ class SpecEngine:
             n_live = max(delta["steps"])
             if n_live == 0:
                 return
-            arm_id, k, context = snap.tag
+            arm_id, k, context, played_tree = snap.tag
             seconds = snap.seconds()
             step_s.extend([seconds / snap.n_steps] * n_live)
             tree = self.arms[arm_id].tree
-            if self.planner is not None and tree is not None and k:
+            if self.planner is not None and played_tree:
                 self.planner.observe_tree_counts(tree.label, seconds / snap.n_steps,
                                                  sum(delta["accepted"]), sum(delta["steps"]))
             elif self.planner is not None and self.arms[arm_id].drafter is not None:

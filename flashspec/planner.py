@@ -14,11 +14,12 @@ the default weights (``objective='makespan'``) count only the rows within γ + 1
 largest remaining budget: speculation is bought where it shortens the batch, and a batch where
 it does not pay decodes as plain AR. ``objective='total'`` counts every live row.
 
-A draft-tree arm (:mod:`flashspec.tree`) is all or nothing: ``plan_tree`` plays the tree when
-its measured tokens per step (decayed mean of accepted + 1 over live rows) over its measured
-step cost (the tree's own width and drafting, kept per shape) beats a plain target step; after
-``reprobe`` plain steps in a row it plays the tree once more, so one hard prompt cannot shut
-the tree out for the rest of the run.
+A draft-tree arm (:mod:`flashspec.tree`) of depth D may also draft a chain: ``plan_tree``
+plans a chain of k <= D drafts of the tree's drafter as above (k = 0: a plain target step), and
+plays the whole tree instead when its measured tokens per step (decayed mean of accepted + 1
+over live rows) over its measured step cost (the tree's own width and drafting, kept per shape)
+beats that chain's value; after ``reprobe`` decisions against the tree in a row it plays the
+tree once more, so one hard prompt cannot shut the tree out for the rest of the run.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class WidthPlanner:
     smoothing: float = 0.3    # weight of a new step time in the cost average
     prior: float = 2.0        # pseudo-trials pulling a row's rate toward the batch rate
     replan: int = 4           # steps a decision is kept (planning costs Python time per row)
-    reprobe: int = 16         # plain-step decisions after which a losing tree is tried again
+    reprobe: int = 16         # decisions against a tree after which it is tried again
     cost: dict[int, float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
     tree_cost: dict[str, float] = field(default_factory=dict)
@@ -108,24 +109,27 @@ class WidthPlanner:
         return fresh[0] if fresh else self._best(gamma, available, remaining)
 
     def _best(self, gamma: int, available: list[int], remaining: list[int]) -> int:
+        values = self._values(gamma, available, remaining)
+        return values.index(max(values))    # ties keep the smaller k
+
+    def _values(self, gamma: int, available: list[int], remaining: list[int]) -> list[float]:
+        """value(k) for k = 0..γ: Σ_rows E_i[tokens | k] / cost(k) over the rows counted."""
         live = [i for i, r in enumerate(remaining) if r > 0]
         if self.objective == "makespan":
             top = max(remaining[i] for i in live)
             live = [i for i in live if remaining[i] >= top - gamma - 1]
         rows = [(self.alpha(i), available[i]) for i in live if available[i] > 0]
-        # value(k) = Σ_rows E_i[tokens | k] / cost(k), built up k by k: row i adds a_i^k while
-        # it has k drafts (rows without drafts commit one token at any k); ties keep the smaller k
+        # built up k by k: row i adds a_i^k while it has k drafts (rows without drafts commit
+        # one token at any k)
         tokens, power = float(len(live)), [1.0] * len(rows)
-        best, best_value = 0, tokens / self.step_cost(0)
+        values = [tokens / self.step_cost(0)]
         for k in range(1, gamma + 1):
             for r, (a, m) in enumerate(rows):
                 if m >= k:
                     power[r] *= a
                     tokens += power[r]
-            value = tokens / self.step_cost(k)
-            if value > best_value:
-                best, best_value = k, value
-        return best
+            values.append(tokens / self.step_cost(k))
+        return values
 
     def _measured(self, cost: dict, seen: dict, key, step_s: float) -> None:
         """A step time into ``cost[key]`` (exponential average) and its count into ``seen``."""
@@ -133,19 +137,25 @@ class WidthPlanner:
         cost[key] = step_s if old is None else old + self.smoothing * (step_s - old)
         seen[key] = seen.get(key, 0) + 1
 
-    def plan_tree(self, label: str, remaining: list[int]) -> bool:
-        """Whether this step should verify the tree ``label`` (else a plain target step)."""
-        if self.seen.get(0, 0) < self.explore:
-            return False
+    def plan_tree(self, label: str, gamma: int, remaining: list[int]) -> int | None:
+        """None: verify the tree ``label`` this step; else k in 0..``gamma`` (the tree's depth),
+        a chain of k drafts of the tree's drafter (0: a plain target step). The chain's probe
+        widths are measured first, then the tree; then the tree plays while its tokens per
+        second beat the chain's best value."""
+        live = [gamma if r > 0 else 0 for r in remaining]
+        k = self.plan(gamma, live, remaining)
+        probes = {0, max(1, gamma // 2), gamma} if gamma > 0 else {0}
+        if any(self.seen.get(j, 0) < self.explore for j in probes):
+            return k
         if self.tree_seen.get(label, 0) < self.explore:
-            return True
+            return None
         acc, steps = self.tree_gain.get(label, (0.0, 0.0))
-        live = sum(1 for r in remaining if r > 0)
-        pays = live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label] > live / self.step_cost(0)
+        n_live = sum(1 for r in remaining if r > 0)
+        tree_value = n_live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label]
         idle = self.tree_idle.get(label, 0)
-        play = pays or idle >= self.reprobe
+        play = tree_value > self._values(gamma, live, remaining)[k] or idle >= self.reprobe
         self.tree_idle[label] = 0 if play else idle + 1
-        return play
+        return None if play else k
 
     def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
         """One tree step: its wall time and the accepted path length of every live row."""

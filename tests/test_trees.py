@@ -238,21 +238,31 @@ def test_resident_sampled_and_planned_trees(smol) -> None:
     assert planner.tree_seen.get("2x2") and planner.seen.get(0), "tree and plain steps probed"
 
 
-def test_planner_plays_a_tree_only_while_it_pays() -> None:
-    """plan_tree: AR and the tree are measured first; then the tree is played while its
-    tokens per second (mean accepted + 1 over its step cost) beat a plain step's."""
+def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:
+    """plan_tree: the chain widths 0, γ/2 and γ of the tree's drafter are measured first, then
+    the tree; then the tree plays while its tokens per second (mean accepted + 1 over its step
+    cost) beat the best chain's value, and a losing tree is re-probed after ``reprobe``
+    decisions against it (the alternative is the chain, not a plain step, when the chain pays)."""
     from flashspec.planner import WidthPlanner
-    planner = WidthPlanner(explore=1)
-    assert not planner.plan_tree("dyn4", [5, 5])                 # AR's cost first
-    planner.observe(0, 0.010, [0, 0], [0, 0], [True, True])
-    assert planner.plan_tree("dyn4", [5, 5])                     # then the tree's
-    planner.observe_tree("dyn4", 0.020, [2, 1], [True, True])    # 2.5 tokens per 20 ms
-    assert planner.plan_tree("dyn4", [5, 5])                     # 125/s > 100/s
+    planner = WidthPlanner(explore=1, replan=1)
+    planner.reset(2)
+    live = [5, 5]
+    for k in (0, 1, 2):                                          # the chain's probe widths
+        assert planner.plan_tree("dyn4", 2, live) == k
+        planner.observe(k, 0.010 + 0.001 * k, [k, k], [k, k], [True, True])   # all accepted
+    assert planner.plan_tree("dyn4", 2, live) is None            # then the tree's
+    planner.observe_tree("dyn4", 0.014, [2, 2], [True, True])    # 3 tokens per 14 ms
+    # beats a plain step (1 per 10 ms), not the chain at γ = 2 (α ≈ 0.9: ~2.7 tokens per 12 ms)
+    assert planner.plan_tree("dyn4", 2, live) == 2
+    for _ in range(5):
+        planner.observe_tree("dyn4", 0.010, [4, 4], [True, True])  # now ~5 tokens per 10 ms
+    assert planner.plan_tree("dyn4", 2, live) is None
     for _ in range(20):
         planner.observe_tree("dyn4", 0.030, [0, 0], [True, True])  # slower, nothing accepted
-    plays = [planner.plan_tree("dyn4", [5, 5]) for _ in range(2 * planner.reprobe + 2)]
-    assert plays.index(True) == planner.reprobe and sum(plays) == 2, \
-        "a losing tree is re-probed once after `reprobe` plain steps"
+    plays = [planner.plan_tree("dyn4", 2, live) for _ in range(2 * planner.reprobe + 2)]
+    assert plays.count(None) == 2 and plays.index(None) == planner.reprobe, \
+        "a losing tree is re-probed once after `reprobe` decisions against it"
+    assert {k for k in plays if k is not None} == {2}, "the chain, not a plain step, stands in"
 
 
 def test_tree_arm_with_planner_keeps_greedy_output(smol) -> None:
