@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,6 +25,7 @@ from exactness.tree_harness import tree_speculative_sample  # noqa: E402
 from flashspec.tree import TreeDraft  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
 from flashspec.verify import tree as tree_verify  # noqa: E402
+from test_triton_tree import make_tree_case  # noqa: E402
 
 N_ROWS, LENGTH, VOCAB = 10_000, 5, 256
 CASES = [  # (temperature, top_k, top_p, branching, draft overlap, sampled siblings with full q)
@@ -87,6 +89,25 @@ def test_tree_gate_fails_when_the_bonus_ignores_the_path(monkeypatch) -> None:
     monkeypatch.setattr(tree_verify, "block_race", root_race)
     result, _ = run_tree_gate(*CASES[0], tree_verify.verify_tree)
     assert not result.passed, result.summary()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 5), nodes=st.integers(1, 14),
+       vocab=st.sampled_from([16, 50]), full_q=st.booleans(), ties=st.booleans())
+def test_greedy_walk_equals_the_sampled_walk_at_temperature_zero(seed, batch, nodes, vocab,
+                                                                 full_q, ties) -> None:
+    """``verify_tree`` with every row greedy takes a shortcut (no residuals, no random numbers):
+    the same tokens, counts and paths as the general walk given per-row temperatures of 0, on
+    random trees whose children often carry the argmax (and, with ``ties``, logits with ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    target, draft = make_tree_case(gen, batch, nodes, vocab, 0.0, full_q, torch.float32, 0.0)
+    if ties:
+        target = target.round()
+    params = SamplingParams()
+    fast = tree_verify.verify_tree(target, draft, params, seed)
+    walk = tree_verify.verify_tree(target, draft, params, seed, torch.zeros(batch))
+    for name, a, b in zip(("out", "n_accepted", "path"), fast, walk):
+        assert torch.equal(a, b), f"{name}: {a.tolist()} vs {b.tolist()}"
 
 
 def test_greedy_tree_accepts_the_longest_argmax_path() -> None:

@@ -65,6 +65,8 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     kids = draft.children()                                             # [B, N+1, K]
     tokens = draft.tokens.long()
     depth = int(draft.depth.max()) if depth is None else depth
+    if temperature is None and params.greedy:  # all rows greedy: no residuals, no random numbers
+        return greedy_walk(best, kids, tokens, depth)
     rows = torch.arange(batch, device=dev)
     streams = rows[:, None] * width + torch.arange(width, device=dev)   # [B, N+1]
     u = rng.uniform(seed, streams, torch.tensor(vocab, device=dev))     # accept test of node i
@@ -106,6 +108,34 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
         if d < depth:
             path[go, d] = chosen[go]
             out[go, d] = tokens[rows, chosen.clamp(min=0)][go]
+        n_acc += go.long()
+        node = torch.where(go, chosen, node)
+        alive = go
+    return out, n_acc, path
+
+
+def greedy_walk(best: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, depth: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature 0: from the root, accept the first child whose token is the target's argmax
+    ``best`` [B, N+1] at its parent, and emit the argmax where no child matches (what the
+    sampled walk does for greedy rows, without its residuals and random numbers)."""
+    batch, dev = best.shape[0], best.device
+    rows = torch.arange(batch, device=dev)
+    node = torch.zeros(batch, dtype=torch.long, device=dev)
+    alive = torch.ones(batch, dtype=torch.bool, device=dev)
+    path = torch.full((batch, depth), -1, dtype=torch.long, device=dev)
+    out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)
+    n_acc = torch.zeros(batch, dtype=torch.long, device=dev)
+    for d in range(depth + 1):
+        child = kids[rows, node]                                        # [B, K]
+        match = (child >= 0) & (tokens.gather(1, child.clamp(min=0)) == best[rows, node, None])
+        go = alive & match.any(-1)
+        chosen = child.gather(1, match.long().argmax(-1, keepdim=True)).squeeze(1)
+        out[:, d] = torch.where(alive & ~go, best[rows, node], out[:, d])
+        if d < depth:
+            path[:, d] = torch.where(go, chosen, path[:, d])
+            out[:, d] = torch.where(go, tokens.gather(1, chosen.clamp(min=0)[:, None]).squeeze(1),
+                                    out[:, d])
         n_acc += go.long()
         node = torch.where(go, chosen, node)
         alive = go
