@@ -88,8 +88,7 @@ class WidthPlanner:
         ``remaining[i]``: its token budget left (0: finished)."""
         if gamma <= 0:
             return 0
-        probes = sorted({0, max(1, gamma // 2), gamma})
-        fresh = [k for k in probes if self.seen.get(k, 0) < self.explore]
+        fresh = self._unexplored(gamma)
         if not fresh and self.kept > 0 and self.last[0] == gamma:
             self.kept -= 1
             return min(self.last[1], max(_call(available), default=0)) if self.last[1] else 0
@@ -97,6 +96,11 @@ class WidthPlanner:
         if not fresh:
             self.kept, self.last = self.replan - 1, (gamma, k)
         return k
+
+    def _unexplored(self, gamma: int) -> list[int]:
+        """The probe widths 0, γ/2 and γ not yet measured ``explore`` times, smallest first."""
+        probes = sorted({0, max(1, gamma // 2), gamma}) if gamma > 0 else [0]
+        return [k for k in probes if self.seen.get(k, 0) < self.explore]
 
     def _decide(self, gamma: int, available: list[int] | Callable[[], list[int]],
                 remaining: list[int], fresh: list[int]) -> int:
@@ -142,10 +146,9 @@ class WidthPlanner:
         a chain of k drafts of the tree's drafter (0: a plain target step). The chain's probe
         widths are measured first, then the tree; then the tree plays while its tokens per
         second beat the chain's best value."""
-        live = [gamma if r > 0 else 0 for r in remaining]
-        k = self.plan(gamma, live, remaining)
-        probes = {0, max(1, gamma // 2), gamma} if gamma > 0 else {0}
-        if any(self.seen.get(j, 0) < self.explore for j in probes):
+        drafts = [gamma if r > 0 else 0 for r in remaining]   # a model drafter always has γ
+        k = self.plan(gamma, drafts, remaining)
+        if self._unexplored(gamma):
             return k
         if self.tree_seen.get(label, 0) < self.explore:
             return None
@@ -153,7 +156,7 @@ class WidthPlanner:
         n_live = sum(1 for r in remaining if r > 0)
         tree_value = n_live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label]
         idle = self.tree_idle.get(label, 0)
-        play = tree_value > self._values(gamma, live, remaining)[k] or idle >= self.reprobe
+        play = tree_value > self._values(gamma, drafts, remaining)[k] or idle >= self.reprobe
         self.tree_idle[label] = 0 if play else idle + 1
         return None if play else k
 
