@@ -60,22 +60,16 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     temps = row_temperatures(params, temperature, batch, dev)
     greedy = temps == 0
     logp = warp_rows(target_logits, params, temps)                     # [B, N+1, V]
-    logq = None if draft.logits is None else warp_rows(draft.logits, params, temps)
     best = logp.argmax(-1)                                              # [B, N+1]
     kids = draft.children()                                             # [B, N+1, K]
     tokens = draft.tokens.long()
     depth = int(draft.depth.max()) if depth is None else depth
     if temperature is None and params.greedy:  # all rows greedy: no residuals, no random numbers
         return greedy_walk(best, kids, tokens, depth)
-    rows = torch.arange(batch, device=dev)
+    logq = None if draft.logits is None else warp_rows(draft.logits, params, temps)
+    rows, node, alive, path, out, n_acc = _walk_start(batch, depth, dev)
     streams = rows[:, None] * width + torch.arange(width, device=dev)   # [B, N+1]
     u = rng.uniform(seed, streams, torch.tensor(vocab, device=dev))     # accept test of node i
-
-    node = torch.zeros(batch, dtype=torch.long, device=dev)
-    alive = torch.ones(batch, dtype=torch.bool, device=dev)
-    path = torch.full((batch, depth), -1, dtype=torch.long, device=dev)
-    out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)
-    n_acc = torch.zeros(batch, dtype=torch.long, device=dev)
     for d in range(depth + 1):
         p = logp[rows, node].exp()                                      # [B, V]
         w = p.clone()
@@ -119,13 +113,7 @@ def greedy_walk(best: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, de
     """Temperature 0: from the root, accept the first child whose token is the target's argmax
     ``best`` [B, N+1] at its parent, and emit the argmax where no child matches (what the
     sampled walk does for greedy rows, without its residuals and random numbers)."""
-    batch, dev = best.shape[0], best.device
-    rows = torch.arange(batch, device=dev)
-    node = torch.zeros(batch, dtype=torch.long, device=dev)
-    alive = torch.ones(batch, dtype=torch.bool, device=dev)
-    path = torch.full((batch, depth), -1, dtype=torch.long, device=dev)
-    out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)
-    n_acc = torch.zeros(batch, dtype=torch.long, device=dev)
+    rows, node, alive, path, out, n_acc = _walk_start(best.shape[0], depth, best.device)
     for d in range(depth + 1):
         child = kids[rows, node]                                        # [B, K]
         match = (child >= 0) & (tokens.gather(1, child.clamp(min=0)) == best[rows, node, None])
@@ -140,3 +128,14 @@ def greedy_walk(best: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, de
         node = torch.where(go, chosen, node)
         alive = go
     return out, n_acc, path
+
+
+def _walk_start(batch: int, depth: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """A walk's state at the roots: (rows, node, alive, path [B, D], out [B, D + 1],
+    n_accepted), paths and outputs -1 padded."""
+    rows = torch.arange(batch, device=dev)
+    node = torch.zeros(batch, dtype=torch.long, device=dev)
+    alive = torch.ones(batch, dtype=torch.bool, device=dev)
+    path = torch.full((batch, depth), -1, dtype=torch.long, device=dev)
+    out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)
+    return rows, node, alive, path, out, torch.zeros(batch, dtype=torch.long, device=dev)
