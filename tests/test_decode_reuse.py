@@ -109,7 +109,7 @@ def test_design_card_sweep_reuses_only_what_no_swept_setting_touches(tmp_path):
     first = str(jobs[0].resolve())
     assert not any(origin[0].values())
     eagle = [m for m in by_method[0] if m.startswith("spec:eagle_lr72@")]
-    assert len(eagle) == 4                 # γ 3, 2, 4 and the dyn4d4k2 tree
+    assert len(eagle) == 4                 # γ 3, 2, 4 and the dyn3d3k2 tree
     shared = ["ar", "spec:ngram@3", "ref_full_head:eagle_lr72@3"]
     for n in (1, 2, 3):
         assert set(by_method[n]) == set(by_method[0]) - {"spec:bandit:ucb1"} | {
