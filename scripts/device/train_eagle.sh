@@ -82,11 +82,15 @@ BARS="it/s\]\|seq/s\]\|batch/s\]\|step/s\]\|it\]\|seq\]\|batch\]\|step\]\|acc0=\
 t0=$(date +%s)
 mkdir -p "$OUT" /tmp/runs
 runs=(lr72)
+if [ "$TRAIN_FULL" = 1 ]; then runs+=(full); fi
+make_data() {   # fill the data cache (CACHE) in a process of its own; $1: where its log goes
+    $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
+        --set "${DSETS[@]}" 2>&1 | tr '\r' '\n' | grep -v "$BARS" | tee "$1" | tail -12
+}
 case $STAGE in
     all) ;;
     data)
-        $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
-            --set "${DSETS[@]}" 2>&1 | tr '\r' '\n' | grep -v "$BARS" | tee "$OUT/data.log" | tail -12
+        make_data "$OUT/data.log"
         echo "data cached in $CACHE after $(( $(date +%s) - t0 )) s"
         exit 0 ;;
     train)
@@ -99,9 +103,7 @@ if [ "$STAGE" = train ]; then
     WHEN=(--time-budget $(( DEADLINE - RESERVE )))
 elif [ "$TRAIN_FULL" = 1 ]; then
     # two drafters side by side: the data once (cached on disk), then two training processes
-    runs+=(full)
-    $PY -m experiments.train_drafter "${DATA[@]}" --out /tmp/runs/data --data-only \
-        --set "${DSETS[@]}" 2>&1 | tr '\r' '\n' | grep -v "$BARS" | tee /tmp/runs/data.log | tail -12
+    make_data /tmp/runs/data.log
     BUDGET=$(( DEADLINE - RESERVE - ($(date +%s) - t0) ))
     BUDGET=$(( BUDGET < 20 ? 20 : BUDGET ))
     echo "data ready after $(( $(date +%s) - t0 )) s; training budget $BUDGET s"
