@@ -112,6 +112,8 @@ else
     # one process: data (kept in memory, not written) then training until the deadline
     WHEN=(--deadline $(( t0 + DEADLINE - RESERVE )) --no-save-data)
 fi
+# a reused box may hold an earlier run's results: clear them, so a failed run ships nothing stale
+for run in "${runs[@]}"; do rm -rf "/tmp/runs/$run" "/tmp/runs/$run.log"; done
 # hard stop (the best checkpoint so far is still copied) if the final evaluation overruns
 LEFT=$(( DEADLINE + 45 - ($(date +%s) - t0) ))
 HARD=(timeout $(( LEFT < 60 ? 60 : LEFT )))
