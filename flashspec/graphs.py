@@ -194,6 +194,12 @@ class GraphCache:
         slot.graph.replay()
         return slot.outputs
 
+    def prepare(self, key: Hashable, *inputs: torch.Tensor) -> None:
+        """Record ``key``'s graph (as a first call does) unless it has one: ahead of a decode,
+        so that no capture falls inside it; a key already recorded runs nothing."""
+        if key not in self.slots:
+            self(key, *inputs)
+
     def clear(self) -> None:
         """Drop every graph (their buffers point at state that is being replaced)."""
         self.slots.clear()

@@ -150,7 +150,6 @@ class ResidentLoop:
         self.cols = torch.arange(gamma_max + 1, device=dev)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self._caught_up: set[tuple] = set()   # (drafter, its buffers) with catch-up graphs
         self.capture_s = 0.0
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
@@ -180,17 +179,13 @@ class ResidentLoop:
     def _prepare_catch_up(self, drafters: dict[Drafter, None]) -> None:
         """Capture every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
         from 4 to the cache) with the steps: when the loop switches between kinds of steps, a
-        window captured on first use would fall inside the decode. (Drafters count the time in
-        their own ``capture_s``.)"""
+        window captured on first use would fall inside the decode. A window a drafter recorded
+        for an earlier batch is not run again. (Drafters count the time in their own
+        ``capture_s``.)"""
         s, top = self.state, self.state.tokens.shape[1] - 1
         s.lengths.fill_(top)
         for drafter in drafters:
-            done = (id(drafter), drafter.resident_buffers())
-            if done in self._caught_up:      # captured for an earlier batch: nothing to replay
-                continue
-            for width in catch_up_widths(top):
-                drafter.resident_catch_up(s.tokens, s.lengths, width, capture=True)
-            self._caught_up.add(done)
+            drafter.prepare_catch_up(s.tokens, s.lengths, catch_up_widths(top))
 
     @staticmethod
     def _key(arm: StepKey) -> Hashable:

@@ -212,6 +212,34 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
            [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
 
 
+def test_prepare_catch_up_runs_each_window_once(smol):
+    """Before each batch, ``ResidentLoop.prepare`` readies every catch-up window of a drafter
+    (on a GPU: records its graph). A window the drafter already has for that batch shape and
+    those buffers runs nothing again (a later batch replays nothing inside its timing), one it
+    lacks is recorded. Eager here: the same GraphCache slots."""
+    model, prompts, drafters = smol
+    eagle = drafters["eagle"]
+    run(model, prompts, [Arm(eagle, 3)], [], resident=True)       # buffers for the 3 rows
+    batch, top = eagle.feats.shape[0], 63          # a 64-token buffer: windows 4 .. 63
+    tokens = torch.zeros(batch, top + 1, dtype=torch.long)
+    lengths = torch.full((batch,), top)
+    widths, calls = catch_up_widths(top), []
+    inner = eagle._catch_up
+    eagle._catch_up = lambda t, p, span: (calls.append(t.shape), inner(t, p, span))[1]
+    eagle._catch_graphs = None
+    try:
+        with torch.inference_mode():                 # as the engine runs it
+            eagle.prepare_catch_up(tokens, lengths, widths[:2], capture=False)
+            assert calls == [(batch, w) for w in widths[:2]]
+            eagle.prepare_catch_up(tokens, lengths, widths, capture=False)   # the rest only
+            assert calls == [(batch, w) for w in widths]
+            eagle.prepare_catch_up(tokens, lengths, widths, capture=False)   # nothing
+            assert len(calls) == len(widths)
+    finally:
+        del eagle._catch_up
+        eagle._catch_graphs = None
+
+
 @pytest.mark.parametrize("top", [3, 5, 64, 1024, 1030, 4096])
 def test_catch_up_windows_captured_up_front_cover_every_window(top):
     """On a GPU, ``ResidentLoop.prepare`` captures the catch-up windows of ``catch_up_widths``

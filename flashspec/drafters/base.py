@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -156,6 +156,13 @@ class Drafter(ABC):
         (their drafter state becomes valid): before drafting again after steps that committed
         tokens outside the drafter's own window (plain steps, other arms, a wider γ)."""
 
+    def prepare_catch_up(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                         widths: Sequence[int], capture: bool = True) -> None:
+        """Ready every catch-up window of ``widths`` before a decode (a drafter that replays
+        its catch-up from CUDA graphs records the ones it lacks, and runs nothing for the rest)."""
+        for width in widths:
+            self.resident_catch_up(tokens, lengths, width, capture)
+
     def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
                        params: SamplingParams, seed: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -268,10 +275,21 @@ class GraphedDrafting:
                           capture: bool = False) -> None:
         """The window of the last ``width`` committed tokens through ``_catch_up`` over the
         whole cache; one CUDA graph per (batch, width) with ``capture``."""
-        graphs = self._window_graphs(
+        self._catch_up_graphs(capture)((tokens.shape[0], width, self.resident_buffers()),
+                                       tokens, lengths)
+
+    def prepare_catch_up(self, tokens: torch.Tensor, lengths: torch.Tensor,
+                         widths: Sequence[int], capture: bool = True) -> None:
+        """Record the catch-up graphs of ``widths`` this drafter lacks for the batch; the
+        recorded ones are not replayed (``capture=False``: the same slots, run eagerly)."""
+        graphs = self._catch_up_graphs(capture)
+        for width in widths:
+            graphs.prepare((tokens.shape[0], width, self.resident_buffers()), tokens, lengths)
+
+    def _catch_up_graphs(self, capture: bool) -> GraphCache:
+        return self._window_graphs(
             "_catch_graphs", lambda k, t, n: self._catch_up(*resident_window(t, n, k[1])[:2], None),
             capture)
-        graphs((tokens.shape[0], width, self.resident_buffers()), tokens, lengths)
 
     def _window_graphs(self, attr: str, fn, capture: bool) -> GraphCache:
         """The :class:`GraphCache` kept in ``attr`` (keys: batch, width, drafter buffers), built
