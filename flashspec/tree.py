@@ -141,11 +141,11 @@ class TreeDraft:
         return kids[:, :n]
 
 
-def tree_positions(draft: TreeDraft, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RoPE positions, cache slots) [B, N + 1] of the nodes for committed ``lengths`` [B]."""
-    base = (lengths - 1)[:, None]
-    slots = base + torch.arange(draft.tokens.shape[1], device=lengths.device)
-    return base + draft.depth, slots
+def tree_positions(draft: TreeDraft, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RoPE positions, cache slots) [B, N + 1] of the nodes of rows whose root sits at slot
+    ``base`` [B] (committed lengths - 1)."""
+    slots = base[:, None] + torch.arange(draft.tokens.shape[1], device=base.device)
+    return base[:, None] + draft.depth, slots
 
 
 def tree_mask(ancestors: torch.Tensor, lengths: torch.Tensor, span: int) -> torch.Tensor:
@@ -189,13 +189,19 @@ def own_bits(start: int, count: int, words: int, device) -> torch.Tensor:
 class TreeAttention:
     """How draft-tree nodes attend in a step: queries at cache ``slots`` [B, q] with ancestor
     bitmasks ``bits`` [B, q, W] (bit j: tree node j, at slot ``base + j``, is the query or one
-    of its ancestors), rows of committed ``lengths`` [B], keys up to ``span``. The fused decode
-    layers read ``bits`` and ``base``, the reference layers ``mask`` (built on first use)."""
+    of its ancestors), rows of committed ``lengths`` [B], keys up to ``span``; ``base`` [B]: the
+    root's slot, lengths - 1 (derived when not given). The fused decode layers read ``bits``
+    and ``base``, the reference layers ``mask`` (built on first use)."""
 
     slots: torch.Tensor
     bits: torch.Tensor
     lengths: torch.Tensor
     span: int
+    base: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.base is None:
+            object.__setattr__(self, "base", self.lengths - 1)
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -203,17 +209,13 @@ class TreeAttention:
         return tree_mask(unpack_bits(self.bits, 64 * self.bits.shape[-1]), self.lengths,
                          self.span)
 
-    @cached_property
-    def base(self) -> torch.Tensor:
-        """[B]: the root's slot, L - 1."""
-        return self.lengths - 1
-
 
 def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:
     """(RoPE positions [B, N + 1], :class:`TreeAttention`) of a target step over ``draft``."""
-    positions, slots = tree_positions(draft, lengths)
-    return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span)
+    base = lengths - 1
+    positions, slots = tree_positions(draft, base)
+    return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span, base)
 
 
 def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
@@ -287,7 +289,8 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
     depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
     score = torch.zeros(batch, m + 1, device=dev)
-    bits = own_bits(0, 1, -(-(m + 1) // 64), dev).repeat(batch, m + 1, 1)   # every node: the root
+    bits = torch.zeros(batch, m + 1, -(-(m + 1) // 64), dtype=torch.long, device=dev)
+    bits[..., 0] = 1                                                   # every node: the root
     sampled = not params.greedy
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)
@@ -302,8 +305,8 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         if raw is not None:
             raw[rows, frontier] = logits
         k = shape.branching[d - 1] if shape.branching else shape.top_k
-        tok, lp = pick_children(logits, k, params, generator, seed,
-                                rows * NODE_STREAMS + frontier)             # [B, f, k]
+        streams = None if params.greedy else rows * NODE_STREAMS + frontier
+        tok, lp = pick_children(logits, k, params, generator, seed, streams)  # [B, f, k]
         n_new = tok[0].numel()
         nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
         frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,

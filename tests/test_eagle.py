@@ -152,10 +152,10 @@ def test_training_passes_match_incremental_drafting(smol):
         pos = torch.arange(last + 1)[None]
         shifted = torch.cat([torch.zeros(1, 1, d), feats[:, :last]], 1)
         with torch.no_grad():
-            h = drafter._run(shifted, tokens[:, :last + 1], pos, last + 1)[:, -1]
+            h = drafter._run(shifted, None, tokens[:, :last + 1], pos, last + 1)[:, -1]
             for i in range(1, j + 1):
                 p = torch.tensor([[last + i]])
-                h = drafter._run(h[:, None], tokens[:, last + i:last + i + 1], p, last + i + 1)[:, 0]
+                h = drafter._run(h[:, None], None, tokens[:, last + i:last + i + 1], p, last + i + 1)[:, 0]
         torch.testing.assert_close(h, outs[j][:, s], rtol=1e-4, atol=1e-4)
 
 

@@ -121,6 +121,49 @@ def test_decode_attention_per_query_causality():
     assert (got2[:, 2] - got[:, 2]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["identity", "cols", "parents"])
+@pytest.mark.parametrize("norms", [False, True])
+def test_drafter_input_matches_reference(dtype, mode, norms):
+    """One launch gives what the gathers, the embedding, the two add+RMSNorm kernels and the
+    concatenation give, bit for bit (bf16 too); with a tree, the nodes' positions and slots."""
+    g = torch.Generator().manual_seed(3)
+    b, p, n, d, v = 2, 5, 4, 48, 96
+    src = torch.randn(b, p, d, generator=g).to(dtype)
+    embed = torch.randn(v, d, generator=g).to(dtype)
+    tokens = torch.randint(0, v, (b, n), generator=g)
+    w = (1 + 0.2 * torch.randn(2, d, generator=g)).to(dtype)
+    pair = (w[0], w[1], 1e-5) if norms else None
+    kw, cols = {}, torch.arange(n).expand(b, n)
+    if mode == "cols":
+        cols = torch.randint(0, p, (b, n), generator=g)
+        kw["cols"] = cols
+    elif mode == "parents":
+        fed = torch.stack([torch.randperm(50, generator=g)[:p] for _ in range(b)])
+        pick = torch.randint(0, p, (b, n), generator=g)
+        kw["parents"] = (fed, fed.gather(1, pick))
+        cols = pick
+    if mode != "identity":
+        src = torch.cat([src, src], 1)[:, ::2]           # strided rows
+        src = src[:, :p]
+    else:
+        src = src[:, :n]
+    feats = src.gather(1, cols[..., None].expand(-1, -1, d))
+    emb = F.embedding(tokens, embed)
+    if norms:
+        feats = fused.add_rmsnorm(feats, None, w[0], 1e-5)[1]
+        emb = fused.add_rmsnorm(emb, None, w[1], 1e-5)[1]
+    want = torch.cat([feats, emb], -1)
+    got = fused.drafter_input(src, tokens, embed, pair, **kw)
+    assert torch.equal(got, want)
+    if mode == "parents":
+        base, ids = torch.tensor([7, 30]), torch.randint(1, 40, (b, n), generator=g)
+        got, pos, slots = fused.drafter_input(src, tokens, embed, pair, tree=(base, 3, ids), **kw)
+        assert torch.equal(got, want)
+        assert torch.equal(pos, (base + 3)[:, None].expand(b, n))
+        assert torch.equal(slots, base[:, None] + ids)
+
+
 def test_silu_mul_matches_reference():
     torch.manual_seed(3)
     gu = 3 * torch.randn(2, 5, 2 * 40)
@@ -262,17 +305,18 @@ def test_eagle_tree_fused_equals_reference(shape):
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
     arm = Arm.of_tree(drafter, TreeShape.parse(shape))
     ref = generate(model, False, arm, False, (20, 18))
-    real, checked = module.forward, []
+    real, checked = module.fused_step, []
 
-    def fused_and_reference(feat, emb, rope, pos, mask, cache, span, rotary=None, tree=None):
+    def fused_and_reference(inputs, pos, cache, rotary, tree=None):
         """Each fused tree expansion is also run through the reference blocks under the mask."""
-        out = real(feat, emb, rope, pos, mask, cache, span, rotary=rotary, tree=tree)
+        out = real(inputs, pos, cache, rotary, tree=tree)
         if tree is not None:
-            want = real(feat, emb, model.rope(pos), tree.slots, tree.mask, cache, span)
+            want = module.reference_step(inputs, model.rope(pos), tree.slots, tree.mask, cache,
+                                         tree.span)
             torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
             checked.append(pos.shape)
         return out
-    module.forward = fused_and_reference
+    module.fused_step = fused_and_reference
     got = generate(model, True, arm, False, (20, 18))
     assert got == ref
     assert checked, "the fused layers never expanded a tree"

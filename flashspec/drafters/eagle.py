@@ -98,17 +98,26 @@ class EagleDrafter(GraphedDrafting, Drafter):
         self.known = [max(k, s + v) if v else k for k, s, v in
                       zip(self.known, state.hidden_start, state.hidden_valid)]
 
-    def _run(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             span: int | None) -> torch.Tensor:
-        """Predicted features of a window; ``span`` None attends the whole cache."""
+    def _run(self, src: torch.Tensor, cols: torch.Tensor | None, tokens: torch.Tensor,
+             positions: torch.Tensor, span: int | None) -> torch.Tensor:
+        """Predicted features of a window [B, n] of ``tokens`` at ``positions``: slot t reads
+        the feature in column ``cols[b, t]`` of ``src`` [B, P, d] (``cols`` None: column t);
+        ``span`` None attends the whole cache. Fused: the inputs are one launch."""
+        if self._fusable(src, positions):
+            from flashspec.models.fused import drafter_input
+            x = drafter_input(src, tokens, self.target.embed_tokens.weight,
+                              self.module.input_norms, cols)
+            return self.module.fused_step(x, positions, self.cache, self._rotary)
         span = self.cache.capacity if span is None else span
-        embeds = self.target.embed_tokens(tokens)
-        if self._fusable(embeds, positions):
-            return self.module(feats, embeds, None, positions, None, self.cache, span,
-                               rotary=(self.target.inv_freq, self.target.rope_scale))
+        feats = src if cols is None else src.gather(1, cols[..., None].expand(-1, -1, src.shape[-1]))
         rope = self.target.rope(positions)
         mask = LlamaLM.attention_mask(positions, span, True)
-        return self.module(feats, embeds, rope, positions, mask, self.cache, span)
+        return self.module(feats, self.target.embed_tokens(tokens), rope, positions, mask,
+                           self.cache, span)
+
+    @property
+    def _rotary(self) -> tuple[torch.Tensor, float]:
+        return self.target.inv_freq, self.target.rope_scale
 
     def _fusable(self, x: torch.Tensor, positions: torch.Tensor) -> bool:
         """Whether the target's fused decode layers are on and take this module step."""
@@ -166,29 +175,34 @@ class EagleDrafter(GraphedDrafting, Drafter):
         ``span`` None attends the whole cache (no host-known length: what a graph needs)."""
         batch, dev = window.shape[0], window.device
         tree_span = self.cache.capacity if span is None else span + shape.candidates
-        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
-        out = self._run(feats, window, positions, span)
+        out = self._run(self.feats, positions, window, positions, span)
         rows = torch.arange(batch, device=dev)
-        h = torch.zeros(batch, shape.candidates + 1, out.shape[-1], dtype=out.dtype, device=dev)
-        h[:, 0] = out[rows, root]
+        root_feat = out[rows, root]
+        base = lengths - 1
+        # the nodes expanded last: their predicted features [B, f, d] and node ids [B, f]
+        last = [root_feat[:, None], torch.zeros(batch, 1, dtype=torch.long, device=dev)]
 
         def expand(ids, toks, parents, depth, bits):
-            feat = h[rows[:, None], parents]
-            pos = (lengths - 1 + depth)[:, None].expand_as(ids)
-            attention = TreeAttention(lengths[:, None] - 1 + ids, bits, lengths, tree_span)
-            emb = self.target.embed_tokens(toks)
-            if self._fusable(emb, pos):
-                new = self.module(feat, emb, None, pos.contiguous(), None, self.cache, tree_span,
-                                  rotary=(self.target.inv_freq, self.target.rope_scale),
-                                  tree=attention)
+            feats, fed = last
+            if self._fusable(feats, ids):
+                from flashspec.models.fused import drafter_input
+                x, pos, slots = drafter_input(feats, toks, self.target.embed_tokens.weight,
+                                              self.module.input_norms, parents=(fed, parents),
+                                              tree=(base, depth, ids))
+                attention = TreeAttention(slots, bits, lengths, tree_span, base)
+                new = self.module.fused_step(x, pos, self.cache, self._rotary, tree=attention)
             else:
-                new = self.module(feat, emb, self.target.rope(pos), attention.slots,
-                                  attention.mask, self.cache, tree_span)
-            h[rows[:, None], ids] = new
+                col = (fed[:, None, :] == parents[:, :, None]).long().argmax(-1)
+                feat = feats.gather(1, col[..., None].expand(-1, -1, feats.shape[-1]))
+                pos = (base + depth)[:, None].expand_as(ids)
+                attention = TreeAttention(base[:, None] + ids, bits, lengths, tree_span, base)
+                new = self.module(feat, self.target.embed_tokens(toks), self.target.rope(pos),
+                                  attention.slots, attention.mask, self.cache, tree_span)
+            last[:] = [new, ids]
             return self._scaled(self.head(new))
 
-        return grow_tree(self._scaled(self.head(h[:, 0])), tokens[rows, lengths - 1], shape,
-                         expand, params, generator, seed)
+        return grow_tree(self._scaled(self.head(root_feat)), tokens[rows, base], shape, expand,
+                         params, generator, seed)
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits with ``draft_temperature`` applied (what drafts are drawn from)."""
@@ -199,8 +213,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
                generator: torch.Generator | None, seed: torch.Tensor | None, span: int | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Device part of ``propose`` (see :class:`GraphedDrafting`)."""
-        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
-        out = self._run(feats, tokens, positions, span)
+        out = self._run(self.feats, positions, tokens, positions, span)
         h = out[torch.arange(tokens.shape[0], device=tokens.device), last_idx]
         drafts, draft_logits = [], []
         for i in range(gamma):
@@ -209,7 +222,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:
-                h = self._run(h[:, None], tok[:, None], (last_pos + i)[:, None],
+                h = self._run(h[:, None], None, tok[:, None], (last_pos + i)[:, None],
                               None if span is None else span + i + 1)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
@@ -219,8 +232,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
         super().resident_start(state, capture)
 
     def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
-        feats = self.feats.gather(1, positions[..., None].expand(-1, -1, self.feats.shape[-1]))
-        self._run(feats, tokens, positions, span)
+        self._run(self.feats, positions, tokens, positions, span)
 
     def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
                       params: SamplingParams, seed: torch.Tensor) -> TreeDraft:

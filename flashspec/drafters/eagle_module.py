@@ -81,23 +81,48 @@ class EagleModule(nn.Module):
         RoPE positions and ``tree`` places draft-tree nodes in their own slots)."""
         features = features.to(embeds.dtype)
         if rotary is not None and cache is not None:   # fused: one kernel per norm (and add)
-            from flashspec.models.fused import add_rmsnorm, run_blocks
+            from flashspec.models.fused import add_rmsnorm
             if self.feat_norm is not None:
                 features = add_rmsnorm(features, None, self.feat_norm.weight, self.feat_norm.eps)[1]
                 embeds = add_rmsnorm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)[1]
-            x = self.fc(torch.cat([features, embeds], dim=-1))
-            x, delta = run_blocks(self.layers, x, positions, cache, *rotary, tree)
-            if self.norm is not None:
-                return add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)[1]
-            return x if delta is None else x + delta
+            return self.fused_step(torch.cat([features, embeds], dim=-1), positions, cache,
+                                   rotary, tree)
         if self.feat_norm is not None:
             features, embeds = self.feat_norm(features), self.embed_norm(embeds)
-        x = self.fc(torch.cat([features, embeds], dim=-1))
+        return self.reference_step(torch.cat([features, embeds], dim=-1), rope, positions, mask,
+                                   cache, span)
+
+    def reference_step(self, inputs: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       positions: torch.Tensor, mask: torch.Tensor | None,
+                       cache: KVCache | None = None, span: int | None = None) -> torch.Tensor:
+        """:meth:`fused_step` through the reference blocks (``rope``, ``mask``; ``positions``
+        are the cache slots written)."""
+        x = self.fc(inputs)
         span = positions.shape[1] if span is None else span
         with sdpa_kernel(MASKED_SDPA):
             for block in self.layers:
                 x = block(x, rope, positions, cache, mask, span)
         return self.norm(x) if self.norm is not None else x
+
+    @property
+    def input_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(feature weight, embedding weight, eps) of the input RMSNorms, None without them
+        (what :func:`flashspec.models.fused.drafter_input` applies)."""
+        if self.feat_norm is None:
+            return None
+        return self.feat_norm.weight, self.embed_norm.weight, self.feat_norm.eps
+
+    def fused_step(self, inputs: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                   rotary: tuple[torch.Tensor, float], tree: TreeAttention | None = None
+                   ) -> torch.Tensor:
+        """Predicted features [B, n, d] from the prepared inputs [B, n, 2d] (normed feature ;
+        normed embedding, e.g. :func:`flashspec.models.fused.drafter_input`) through the fused
+        decode layers: fc, the blocks, the output norm."""
+        from flashspec.models.fused import add_rmsnorm, run_blocks
+        x, delta = run_blocks(self.layers, self.fc(inputs), positions, cache, *rotary, tree)
+        if self.norm is not None:
+            return add_rmsnorm(x, delta, self.norm.weight, self.norm.eps)[1]
+        return x if delta is None else x + delta
 
 
 def config_dict(config: EagleConfig) -> dict[str, Any]:

@@ -215,6 +215,45 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
 
 
 @triton.jit
+def _drafter_input_kernel(src_ptr, col_ptr, prev_ptr, tok_ptr, emb_ptr, wf_ptr, we_ptr, out_ptr,
+                          base_ptr, ids_ptr, pos_ptr, slot_ptr, n, P, s_sb, s_sp, d, depth, eps,
+                          MODE: tl.constexpr, NORM: tl.constexpr, TREE: tl.constexpr,
+                          BLOCK: tl.constexpr, PB: tl.constexpr):
+    """One token (b, t) of a feature-level drafter's input: [f ; e] with f a row of src [B, P, d]
+    (MODE 0: column t; 1: column col_ptr[b, t]; 2: the column j where prev_ptr[b, j] equals
+    col_ptr[b, t], a tree node's parent among the last expanded nodes) and e row
+    tok_ptr[b, t] of the embedding table, each RMSNorm-ed (NORM, weights wf / we, rounded as
+    ``_add_rmsnorm_kernel`` rounds) or cast; TREE also writes the node's RoPE position
+    base[b] + depth and cache slot base[b] + ids[b, t]."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // n
+    DT = out_ptr.dtype.element_ty
+    if MODE == 0:
+        col = row % n
+    elif MODE == 1:
+        col = tl.load(col_ptr + row)
+    else:
+        j = tl.arange(0, PB)
+        prev = tl.load(prev_ptr + b * P + j, mask=j < P, other=-1)
+        col = tl.minimum(tl.min(tl.where(prev == tl.load(col_ptr + row), j, PB), axis=0), P - 1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    f = tl.load(src_ptr + b * s_sb + col * s_sp + cols, mask=mask, other=0.0).to(DT).to(tl.float32)
+    e = tl.load(emb_ptr + tl.load(tok_ptr + row) * d + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rf = 1.0 / tl.sqrt_rn(tl.sum(f * f, axis=0) / d + eps)
+        f = (f * rf).to(DT).to(tl.float32) * tl.load(wf_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        re = 1.0 / tl.sqrt_rn(tl.sum(e * e, axis=0) / d + eps)
+        e = (e * re).to(DT).to(tl.float32) * tl.load(we_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * (2 * d) + cols, f.to(DT), mask=mask)
+    tl.store(out_ptr + row * (2 * d) + d + cols, e.to(DT), mask=mask)
+    if TREE:
+        base = tl.load(base_ptr + b)
+        tl.store(pos_ptr + row, base + depth)
+        tl.store(slot_ptr + row, base + tl.load(ids_ptr + row))
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     """out[r, i] = silu(gu[r, i]) * gu[r, inter + i], SiLU rounded to the dtype first."""
     row = tl.program_id(0).to(tl.int64)
@@ -299,6 +338,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_D=max(16, _pow2(head_dim)), TREE=tree is not None,
         NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee, num_warps=4)
     return out
+
+
+def drafter_input(src: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
+                  norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                  cols: torch.Tensor | None = None,
+                  parents: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  tree: tuple[torch.Tensor, int, torch.Tensor] | None = None):
+    """A feature-level drafter's input [B, n, 2d] in one launch: per token (b, t), a feature row
+    of ``src`` [B, P, d] (column t; column ``cols[b, t]``; or, with ``parents`` = (prev ids
+    [B, P], parent ids [B, n]), the column of the token's parent among prev ids) beside row
+    ``tokens[b, t]`` of ``embed`` [V, d], each RMSNorm-ed when ``norms`` = (feature weight,
+    embedding weight, eps), as ``add_rmsnorm`` would. With ``tree`` = (base [B], depth, node ids
+    [B, n]) returns (input, RoPE positions base + depth, cache slots base + ids) [B, n] too."""
+    b, n = tokens.shape
+    d = embed.shape[1]
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    out = torch.empty(b, n, 2 * d, dtype=embed.dtype, device=embed.device)
+    tokens = tokens.contiguous()
+    mode = 2 if parents is not None else 1 if cols is not None else 0
+    index = parents[1].contiguous() if parents is not None else cols.contiguous() if cols is not None else tokens
+    prev = parents[0].contiguous() if parents is not None else tokens
+    wf, we, eps = norms if norms is not None else (embed, embed, 0.0)
+    pos = slots = None
+    if tree is not None:
+        pos, slots = torch.empty_like(tokens), torch.empty_like(tokens)
+    base, depth, ids = (tree[0], tree[1], tree[2].contiguous()) if tree is not None else (tokens, 0, tokens)
+    if b * n:
+        _drafter_input_kernel[(b * n,)](src, index, prev, tokens, embed, wf, we, out, base, ids,
+                                        pos if tree else tokens, slots if tree else tokens, n,
+                                        prev.shape[1], src.stride(0), src.stride(1), d, depth,
+                                        float(eps), MODE=mode, NORM=norms is not None,
+                                        TREE=tree is not None, BLOCK=_pow2(d),
+                                        PB=_pow2(max(prev.shape[1], 1)), num_warps=4)
+    return out if tree is None else (out, pos, slots)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
