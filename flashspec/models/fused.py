@@ -312,11 +312,13 @@ def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, block_m: int | None = None,
-                     tree: TreeAttention | None = None) -> torch.Tensor:
+                     tree: TreeAttention | None = None, block_n: int | None = None,
+                     warps: int = 4) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
     a query at position p sees slots 0..p of its own row; with ``tree``
     (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
-    and itself. Returns [B, n, H, D]."""
+    and itself. Returns [B, n, H, D]. ``block_m`` (query rows), ``block_n`` (key slots) and
+    ``warps`` per program: the launch geometry (defaults: the ones the decode steps use)."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -334,9 +336,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
         positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m, BLOCK_N=32 if ieee else 64,
-        BLOCK_D=max(16, _pow2(head_dim)), TREE=tree is not None,
-        NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee, num_warps=4)
+        H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n or (32 if ieee else 64), BLOCK_D=max(16, _pow2(head_dim)),
+        TREE=tree is not None, NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee,
+        num_warps=warps)
     return out
 
 
