@@ -332,15 +332,21 @@ def test_head_dim_scale_is_inverse_sqrt():
     torch.testing.assert_close(got[0, 0], want, **TOL)
 
 
-@pytest.mark.parametrize("lengths", [(9, 9), (7, 12), (40, 90)])
-def test_fused_tree_step_matches_reference(lengths):
+@pytest.mark.parametrize("lengths,nodes", [((9, 9), 9), ((7, 12), 9), ((40, 90), 9),
+                                           ((9, 12), 70)])
+def test_fused_tree_step_matches_reference(lengths, nodes):
     """A draft-tree step (RoPE by depth, own slots, ancestor bitmask attention) through the
     fused layers equals the reference layers under the tree mask: hidden states and the cache,
     ragged rows, a tree of 9 nodes with different shapes per row. (40, 90): prefixes over
-    several plain key blocks (32 slots in fp32), a tree that straddles a block boundary."""
+    several plain key blocks (32 slots in fp32), a tree that straddles a block boundary. 70
+    nodes: random trees whose ancestor masks take two 64-bit words."""
     from flashspec.tree import TreeDraft, tree_attention
     model = fused.fuse_model(tiny_model())
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
+    if nodes != 9:
+        g = torch.Generator().manual_seed(nodes)
+        parents = torch.tensor([[-1] + [int(torch.randint(max(0, i - 4), i, (), generator=g))
+                                        for i in range(1, nodes)] for _ in range(2)])
     depth = torch.zeros_like(parents)
     for i in range(1, parents.shape[1]):
         depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1

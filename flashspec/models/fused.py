@@ -167,9 +167,10 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
     a query at position p sees slots <= p. With TREE, pos_ptr holds each query's own slot and
     the query sees the slots below base_ptr[b] (the committed prefix) and tree slot base + j
-    where bit j of its NW-word bitmask bits_ptr[b, t, :] is set (its ancestors and itself);
-    the bitmasks are read only in the key blocks that reach the tree's slots (the prefix
-    blocks are plain causal ones). q and o are [B, n, H, D] contiguous."""
+    where bit j of its NW-word (1 or 2) bitmask bits_ptr[b, t, :] is set (its ancestors and
+    itself); each query's words are loaded once, before the key loop, and used only in the key
+    blocks that reach the tree's slots (the prefix blocks are plain causal ones). q and o are
+    [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -181,9 +182,14 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
     plain = hi
     base = 0
+    word0 = tl.zeros([BLOCK_M], tl.int64)
+    word1 = tl.zeros([BLOCK_M], tl.int64)
     if TREE:
         base = tl.load(base_ptr + b)
         plain = tl.minimum((base // BLOCK_N) * BLOCK_N, hi).to(tl.int32)
+        word0 = tl.load(bits_ptr + (b * n + t) * NW, mask=valid, other=0)
+        if NW > 1:
+            word1 = tl.load(bits_ptr + (b * n + t) * NW + 1, mask=valid, other=0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D + d[None, :]
@@ -204,8 +210,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
             rel = s[None, :] - base
             inside = (rel >= 0) & (rel < 64 * NW)
             r = tl.maximum(rel, 0)
-            word = tl.load(bits_ptr + (b * n + t)[:, None] * NW + r // 64,
-                           mask=valid[:, None] & inside, other=0)
+            word = word0[:, None]
+            if NW > 1:
+                word = tl.where(r >= 64, word1[:, None], word)
             bit = (word >> (r % 64).to(tl.int64)) & 1
             seen = (s[None, :] <= pos[:, None]) & ((rel < 0) | (inside & (bit != 0)))
             m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale,
@@ -332,6 +339,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (b * kv_heads, triton.cdiv(rows, block_m))
     if tree is not None:
         positions = tree.slots
+        if tree.bits.shape[-1] > 2:
+            raise ValueError(f"tree attention takes at most 128 nodes, got {64 * tree.bits.shape[-1]}-bit masks")
     _decode_attention_kernel[grid](
         q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
         positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),

@@ -94,7 +94,7 @@ def time_attention(out) -> None:
                 tree = TreeAttention(ctx - 1 + torch.arange(n, device=dev)[None] + (16 - n),
                                      bits, lengths, cap)
             for block_m, block_n, warps in ((None, None, 4), (16, 32, 4), (16, 128, 4),
-                                            (16, 64, 2), (32, 64, 4), (64, 64, 4), (64, 128, 8)):
+                                            (16, 64, 2), (32, 64, 4)):
                 call = lambda: fused.decode_attention(q, k, v, pos, block_m, tree, block_n, warps)
                 for _ in range(3):
                     call()
