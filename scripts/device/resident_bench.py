@@ -107,17 +107,18 @@ def drafter(model, tok, checkpoint: str, device: str, draft_temperature: float =
                               draft_temperature=draft_temperature)
 
 
-def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] = ()) -> None:
+def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] = (),
+            temperature: float = 0.0) -> None:
     """Kernels of one resident step at B = 1 (20 graph replays under torch.profiler), every
     kernel name with its launches and µs per step: AR, the EAGLE chain at γ and each
-    draft-tree shape of ``trees``."""
+    draft-tree shape of ``trees``, sampling at ``temperature`` (0: greedy)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     eagle = drafter(model, tok, checkpoint, "cuda")
     prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
     arms = [Arm(None, 0), Arm(eagle, gamma)] + [Arm.of_tree(eagle, TreeShape.parse(t)) for t in trees]
     for arm in arms:
         e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
-                       eos_ids=[tok.eos_token_id])
+                       eos_ids=[tok.eos_token_id], params=SamplingParams(temperature))
         e.generate([prompt], 64)
         e.resident_loop.state.budgets.fill_(1 << 20)
         e.resident_loop.state.finished.zero_()
@@ -130,7 +131,7 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
         events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA"]
         total = sum(ev.device_time_total for ev in events) / 20
         kernels = sum(ev.count for ev in events) / 20
-        emit(out, check="profile", arm=arm.name, kernels_per_step=kernels,
+        emit(out, check="profile", arm=arm.name, temperature=temperature, kernels_per_step=kernels,
              gpu_us_per_step=round(total, 1))
         for ev in sorted(events, key=lambda ev: -ev.device_time_total):
             emit(out, check="kernel", arm=arm.name, name=ev.key[:90], per_step=ev.count / 20,
@@ -257,6 +258,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--scale", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-temperature", type=float, default=0.0,
+                    help="sampling temperature of the profiled steps (0: greedy)")
     ap.add_argument("--trees", nargs="*", default=["dyn15d8k3"],
                     help="draft-tree shapes run as resident arms (the first also with the planner)")
     ap.add_argument("--methods", nargs="*", help="only these methods (AR always runs)")
@@ -274,7 +277,7 @@ def main() -> int:
     model = fuse_model(model.eval(), a.device == "cuda")
     if a.profile:
         with torch.inference_mode():
-            profile(model, tok, a.eagle, out, trees=a.trees)
+            profile(model, tok, a.eagle, out, trees=a.trees, temperature=a.profile_temperature)
         return 0
     for cell in a.cells:
         t0 = time.perf_counter()
