@@ -71,22 +71,12 @@ class EagleModule(nn.Module):
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor,
-                mask: torch.Tensor | None, cache: KVCache | None = None, span: int | None = None,
-                rotary: tuple[torch.Tensor, float] | None = None,
-                tree: TreeAttention | None = None) -> torch.Tensor:
-        """Predicted features [B, n, d] for slots with (previous feature, token embedding).
-
-        ``rotary`` (the target's inv_freq, rope_scale) runs the blocks through the fused decode
-        layers (``flashspec.models.fused``; ``rope``/``mask`` are then unused; ``positions`` are
-        RoPE positions and ``tree`` places draft-tree nodes in their own slots)."""
+                mask: torch.Tensor | None, cache: KVCache | None = None, span: int | None = None
+                ) -> torch.Tensor:
+        """Predicted features [B, n, d] for slots with (previous feature, token embedding),
+        through the reference blocks (the fused decode layers take prepared inputs:
+        :meth:`fused_step`)."""
         features = features.to(embeds.dtype)
-        if rotary is not None and cache is not None:   # fused: one kernel per norm (and add)
-            from flashspec.models.fused import add_rmsnorm
-            if self.feat_norm is not None:
-                features = add_rmsnorm(features, None, self.feat_norm.weight, self.feat_norm.eps)[1]
-                embeds = add_rmsnorm(embeds, None, self.embed_norm.weight, self.embed_norm.eps)[1]
-            return self.fused_step(torch.cat([features, embeds], dim=-1), positions, cache,
-                                   rotary, tree)
         if self.feat_norm is not None:
             features, embeds = self.feat_norm(features), self.embed_norm(embeds)
         return self.reference_step(torch.cat([features, embeds], dim=-1), rope, positions, mask,

@@ -51,22 +51,30 @@ _warned: set[str] = set()
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
+def _rmsnorm_row(x, w_ptr, cols, mask, d, eps, DT: tl.constexpr):
+    """RMSNorm of one fp32 row x (zero where masked): x * rsqrt(mean(x²) + eps), rounded to DT
+    as the reference rounds the normed state, times the weight; returned in fp32."""
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps)
+    normed = (x * rstd).to(DT).to(tl.float32)
+    return normed * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _add_rmsnorm_kernel(x_ptr, delta_ptr, res_ptr, out_ptr, w_ptr, d, eps,
                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     """One row: r = x (+ delta, stored to res), out = (r * rsqrt(mean(r²) + eps)) * w."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
+    DT = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         x += tl.load(delta_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
         xr = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptr + row * d + cols, xr, mask=mask)
         x = xr.to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * d + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * d + cols, _rmsnorm_row(x, w_ptr, cols, mask, d, eps, DT).to(DT),
+             mask=mask)
 
 
 @triton.jit
@@ -248,10 +256,8 @@ def _drafter_input_kernel(src_ptr, col_ptr, prev_ptr, tok_ptr, emb_ptr, wf_ptr, 
     f = tl.load(src_ptr + b * s_sb + col * s_sp + cols, mask=mask, other=0.0).to(DT).to(tl.float32)
     e = tl.load(emb_ptr + tl.load(tok_ptr + row) * d + cols, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        rf = 1.0 / tl.sqrt_rn(tl.sum(f * f, axis=0) / d + eps)
-        f = (f * rf).to(DT).to(tl.float32) * tl.load(wf_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        re = 1.0 / tl.sqrt_rn(tl.sum(e * e, axis=0) / d + eps)
-        e = (e * re).to(DT).to(tl.float32) * tl.load(we_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        f = _rmsnorm_row(f, wf_ptr, cols, mask, d, eps, DT)
+        e = _rmsnorm_row(e, we_ptr, cols, mask, d, eps, DT)
     tl.store(out_ptr + row * (2 * d) + cols, f.to(DT), mask=mask)
     tl.store(out_ptr + row * (2 * d) + d + cols, e.to(DT), mask=mask)
     if TREE:
@@ -367,23 +373,27 @@ def drafter_input(src: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
     d = embed.shape[1]
     if src.stride(-1) != 1:
         src = src.contiguous()
-    out = torch.empty(b, n, 2 * d, dtype=embed.dtype, device=embed.device)
     tokens = tokens.contiguous()
-    mode = 2 if parents is not None else 1 if cols is not None else 0
-    index = parents[1].contiguous() if parents is not None else cols.contiguous() if cols is not None else tokens
-    prev = parents[0].contiguous() if parents is not None else tokens
+    out = torch.empty(b, n, 2 * d, dtype=embed.dtype, device=embed.device)
+    # pointers a mode or flag leaves unread get ``tokens`` (any valid int64 buffer)
+    index, prev, mode = tokens, tokens, 0
+    if parents is not None:
+        prev, index, mode = parents[0].contiguous(), parents[1].contiguous(), 2
+    elif cols is not None:
+        index, mode = cols.contiguous(), 1
     wf, we, eps = norms if norms is not None else (embed, embed, 0.0)
-    pos = slots = None
+    base, depth, ids, pos, slots = tokens, 0, tokens, None, None
     if tree is not None:
+        base, depth, ids = tree[0], tree[1], tree[2].contiguous()
         pos, slots = torch.empty_like(tokens), torch.empty_like(tokens)
-    base, depth, ids = (tree[0], tree[1], tree[2].contiguous()) if tree is not None else (tokens, 0, tokens)
     if b * n:
         _drafter_input_kernel[(b * n,)](src, index, prev, tokens, embed, wf, we, out, base, ids,
-                                        pos if tree else tokens, slots if tree else tokens, n,
-                                        prev.shape[1], src.stride(0), src.stride(1), d, depth,
-                                        float(eps), MODE=mode, NORM=norms is not None,
-                                        TREE=tree is not None, BLOCK=_pow2(d),
-                                        PB=_pow2(max(prev.shape[1], 1)), num_warps=4)
+                                        tokens if pos is None else pos,
+                                        tokens if slots is None else slots, n, prev.shape[1],
+                                        src.stride(0), src.stride(1), d, depth, float(eps),
+                                        MODE=mode, NORM=norms is not None, TREE=tree is not None,
+                                        BLOCK=_pow2(d), PB=_pow2(max(prev.shape[1], 1)),
+                                        num_warps=4)
     return out if tree is None else (out, pos, slots)
 
 
