@@ -236,17 +236,6 @@ def gumbel_argmax(logits: torch.Tensor, inv_t: float, seed: torch.Tensor, step: 
 TOPK_BLOCK = 4096
 
 
-def _topk_buffers(rows: int, n_blocks: int, n_stats: int, k: int, dev: torch.device) -> tuple:
-    """The two-kernel top k's scratch and outputs: per-block candidates (values, columns),
-    per-stat (max, Σ exp), then tokens and log-probabilities."""
-    kp2 = triton.next_power_of_2(k)
-    f32 = dict(dtype=torch.float32, device=dev)
-    return (torch.empty(rows, n_blocks, kp2, **f32),
-            torch.empty(rows, n_blocks, kp2, dtype=torch.int32, device=dev),
-            torch.empty(rows, n_stats, **f32), torch.empty(rows, n_stats, **f32),
-            torch.empty(rows, k, dtype=torch.long, device=dev), torch.empty(rows, k, **f32))
-
-
 def row_topk(x: torch.Tensor, k: int, inv_t: float = 1.0, seed: torch.Tensor | None = None,
              streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64, log-probabilities float32) [..., k] of each row of ``x`` [..., V] under
@@ -261,7 +250,13 @@ def row_topk(x: torch.Tensor, k: int, inv_t: float = 1.0, seed: torch.Tensor | N
     flat = x.reshape(-1, vocab).contiguous()
     rows, n_blocks = flat.shape[0], triton.cdiv(vocab, TOPK_BLOCK)
     kp2 = triton.next_power_of_2(k)
-    vals, idx, bm, bs, tok, lp = _topk_buffers(rows, n_blocks, n_blocks, k, x.device)
+    dev = x.device
+    vals = torch.empty(rows, n_blocks, kp2, dtype=torch.float32, device=dev)
+    idx = torch.empty(rows, n_blocks, kp2, dtype=torch.int32, device=dev)
+    bm = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
+    bs = torch.empty(rows, n_blocks, dtype=torch.float32, device=dev)
+    tok = torch.empty(rows, k, dtype=torch.long, device=dev)
+    lp = torch.empty(rows, k, dtype=torch.float32, device=dev)
     if rows:
         gumbel = seed is not None
         stream = streams.reshape(-1).contiguous() if gumbel else tok   # never read without seed
@@ -299,7 +294,13 @@ def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: i
     n_blocks = triton.cdiv(vocab, HEAD_BN)
     n_progs = triton.cdiv(n_blocks, HEAD_SUB)
     kp2 = triton.next_power_of_2(k)
-    vals, idx, bm, bs, tok, lp = _topk_buffers(rows, n_blocks, n_progs, k, h.device)
+    dev = h.device
+    vals = torch.empty(rows, n_blocks, kp2, dtype=torch.float32, device=dev)
+    idx = torch.empty(rows, n_blocks, kp2, dtype=torch.int32, device=dev)
+    bm = torch.empty(rows, n_progs, dtype=torch.float32, device=dev)
+    bs = torch.empty(rows, n_progs, dtype=torch.float32, device=dev)
+    tok = torch.empty(rows, k, dtype=torch.long, device=dev)
+    lp = torch.empty(rows, k, dtype=torch.float32, device=dev)
     if rows:
         _lowrank_block_topk_kernel[(n_progs, triton.cdiv(rows, 16))](
             flat, w_down, w_up, vals, idx, bm, bs, rows, d, rank, vocab, n_blocks, n_progs,
