@@ -88,96 +88,14 @@ def _block_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, seed_ptr, stream_p
 
 
 @triton.jit
-def _rounded(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x`` rounded to DT (to nearest, ties to even), returned as fp32. Triton's
-    interpreter truncates fp32 -> bf16 casts, so there the rounding is done on the bits."""
-    if INTERPRET and DT == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-    return x.to(DT).to(tl.float32)
-
-
-@triton.jit
-def _lowrank_block_topk_kernel(h_ptr, wd_ptr, wu_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, M, D, R, V,
-                               n_blocks, n_progs, s_wdr, s_wdd, s_wuv, s_wur, inv_t,
-                               K: tl.constexpr, KP2: tl.constexpr, BD: tl.constexpr,
-                               BR: tl.constexpr, BN: tl.constexpr, SUB: tl.constexpr,
-                               UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Rows 16 g .. 16 g + 15 of h [M, D], vocabulary blocks SUB p .. SUB p + SUB - 1 (BN wide):
-    u = h W_down^T and y = (u W_up^T) · inv_t, each rounded to h's dtype as ``LowRankHead``'s
-    two matmuls write them, never stored; per block the top K of y (value, column; ties to the
-    smaller column), per program the (max, Σ exp(y - max)) of its blocks."""
-    p = tl.program_id(0)
-    rows = tl.program_id(1) * 16 + tl.arange(0, 16)
-    rm = rows < M
-    r64 = rows.to(tl.int64)
-    rr = tl.arange(0, BR)
-    dt = h_ptr.dtype.element_ty
-    u = tl.zeros([16, BR], tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        x = tl.load(h_ptr + r64[:, None] * D + dd[None, :], mask=rm[:, None] & (dd < D)[None, :],
-                    other=0.0)
-        w = tl.load(wd_ptr + rr[None, :] * s_wdr + dd[:, None] * s_wdd,
-                    mask=(rr < R)[None, :] & (dd < D)[:, None], other=0.0)
-        if UPCAST:       # the interpreter's tl.dot has no bf16
-            u += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            u += tl.dot(x, w, input_precision="ieee")
-        else:
-            u += tl.dot(x, w)
-    if UPCAST:       # u stays fp32 holding dt values: the interpreter's tl.dot has no bf16
-        u = _rounded(u, dt, True)
-    else:
-        u = u.to(dt)
-    m_run = tl.full([16], -float("inf"), tl.float32)
-    s_run = tl.zeros([16], tl.float32)
-    slot = tl.arange(0, KP2)[None, :]
-    for j in range(SUB):
-        blk = p * SUB + j
-        cols = blk * BN + tl.arange(0, BN)
-        ok = cols < V
-        w = tl.load(wu_ptr + cols[None, :].to(tl.int64) * s_wuv + rr[:, None] * s_wur,
-                    mask=(rr < R)[:, None] & ok[None, :], other=0.0)
-        if UPCAST:
-            z = tl.dot(u, w.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            z = tl.dot(u, w, input_precision="ieee")
-        else:
-            z = tl.dot(u, w)
-        y = tl.where(ok[None, :], _rounded(z, dt, UPCAST) * inv_t, -float("inf"))
-        m_new = tl.maximum(m_run, tl.max(y, 1))
-        safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s_run = s_run * tl.exp(m_run - safe) + tl.sum(tl.exp(y - safe[:, None]), 1)
-        m_run = m_new
-        vals = tl.full([16, KP2], -float("inf"), tl.float32)
-        idx = tl.full([16, KP2], V, tl.int32)
-        for kk in range(K):
-            top = tl.max(y, 1)
-            first = tl.min(tl.where(y == top[:, None], cols[None, :], V), 1)
-            vals = tl.where(slot == kk, top[:, None], vals)
-            idx = tl.where(slot == kk, first[:, None], idx)
-            y = tl.where(cols[None, :] == first[:, None], -float("inf"), y)
-        out = (r64[:, None] * n_blocks + blk) * KP2 + slot
-        live = (rm & (rows * 0 + blk < n_blocks))[:, None] & (slot < KP2)
-        tl.store(val_ptr + out, vals, mask=live)
-        tl.store(idx_ptr + out, idx, mask=live)
-    tl.store(m_ptr + r64 * n_progs + p, m_run, mask=rm)
-    tl.store(s_ptr + r64 * n_progs + p, s_run, mask=rm)
-
-
-@triton.jit
-def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_blocks, n_stats,
-                     inv_t, K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr,
-                     NS: tl.constexpr, FROM_KEYS: tl.constexpr):
+def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, n_blocks, inv_t,
+                     K: tl.constexpr, KP2: tl.constexpr, NB: tl.constexpr):
     """Per row: the top K keys of its blocks' candidates, with log-probabilities
-    x · inv_t - lse (x read again at the K chosen columns; FROM_KEYS: the keys are x · inv_t)
-    from the row's ``n_stats`` (max, Σ exp) pairs."""
+    x · inv_t - lse (x read again at the K chosen columns)."""
     row = tl.program_id(0).to(tl.int64)
-    b = tl.arange(0, NS)
-    bm = tl.load(m_ptr + row * n_stats + b, mask=b < n_stats, other=-float("inf"))
-    bs = tl.load(s_ptr + row * n_stats + b, mask=b < n_stats, other=0.0)
+    b = tl.arange(0, NB)
+    bm = tl.load(m_ptr + row * n_blocks + b, mask=b < n_blocks, other=-float("inf"))
+    bs = tl.load(s_ptr + row * n_blocks + b, mask=b < n_blocks, other=0.0)
     big = tl.max(bm, axis=0)
     safe = tl.where(big == -float("inf"), 0.0, big)
     lse = safe + tl.log(tl.sum(bs * tl.exp(bm - safe), axis=0))
@@ -190,10 +108,7 @@ def _row_topk_kernel(x_ptr, val_ptr, idx_ptr, m_ptr, s_ptr, tok_ptr, lp_ptr, V, 
         first = tl.min(tl.where(v == top, i, V), axis=0)
         at = tl.min(tl.where((v == top) & (i == first), c, NB * KP2), axis=0)
         col = tl.minimum(first, V - 1)
-        if FROM_KEYS:
-            y = top
-        else:
-            y = tl.load(x_ptr + row * V + col).to(tl.float32) * inv_t
+        y = tl.load(x_ptr + row * V + col).to(tl.float32) * inv_t
         tl.store(tok_ptr + row * K + j, col.to(tl.int64))
         tl.store(lp_ptr + row * K + j, y - lse)
         v = tl.where(c == at, -float("inf"), v)
@@ -264,50 +179,6 @@ def row_topk(x: torch.Tensor, k: int, inv_t: float = 1.0, seed: torch.Tensor | N
                                              stream, vocab, n_blocks, inv_t, K=k, KP2=kp2,
                                              BLOCK=TOPK_BLOCK, GUMBEL=gumbel,
                                              INTERPRET=INTERPRET)
-        nb = triton.next_power_of_2(n_blocks)
-        _row_topk_kernel[(rows,)](flat, vals, idx, bm, bs, tok, lp, vocab, n_blocks, n_blocks,
-                                  inv_t, K=k, KP2=kp2, NB=nb, NS=nb, FROM_KEYS=False)
-    return tok.reshape(*shape, k), lp.reshape(*shape, k)
-
-
-HEAD_BN = 128      # vocabulary columns per block of lowrank_topk
-HEAD_SUB = 8       # blocks per program (u = h W_down^T is computed once per program)
-
-
-def lowrank_topk(h: torch.Tensor, w_down: torch.Tensor, w_up: torch.Tensor, k: int,
-                 inv_t: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``row_topk(LowRankHead(w_down, w_up)(h), k, inv_t)`` without the [.., V] logits: for
-    h [..., d], w_down [r, d], w_up [V, r] (any strides, h's dtype), (tokens int64,
-    log-probabilities float32) [..., k], the k largest logits in decreasing order (ties to the
-    smaller column). u = h W_down^T and the logits are rounded to h's dtype as the head's two
-    matmuls write them; the sums run in another order than cuBLAS's, so a near-tie may break
-    the other way (greedy drafting only: no q is kept for the verify). Two kernels: the head
-    and per-block top k, then the row merge of :func:`row_topk`."""
-    if w_down.dtype != h.dtype or w_up.dtype != h.dtype or w_down.shape[1] != h.shape[-1] \
-            or w_up.shape[1] != w_down.shape[0]:
-        raise ValueError(f"lowrank_topk: h {tuple(h.shape)} {h.dtype}, w_down "
-                         f"{tuple(w_down.shape)} {w_down.dtype}, w_up {tuple(w_up.shape)} "
-                         f"{w_up.dtype}: need w_down [r, d], w_up [V, r] in h's dtype")
-    shape, d = h.shape[:-1], h.shape[-1]
-    flat = h.reshape(-1, d).contiguous()
-    rows, (vocab, rank) = flat.shape[0], w_up.shape
-    n_blocks = triton.cdiv(vocab, HEAD_BN)
-    n_progs = triton.cdiv(n_blocks, HEAD_SUB)
-    kp2 = triton.next_power_of_2(k)
-    dev = h.device
-    vals = torch.empty(rows, n_blocks, kp2, dtype=torch.float32, device=dev)
-    idx = torch.empty(rows, n_blocks, kp2, dtype=torch.int32, device=dev)
-    bm = torch.empty(rows, n_progs, dtype=torch.float32, device=dev)
-    bs = torch.empty(rows, n_progs, dtype=torch.float32, device=dev)
-    tok = torch.empty(rows, k, dtype=torch.long, device=dev)
-    lp = torch.empty(rows, k, dtype=torch.float32, device=dev)
-    if rows:
-        _lowrank_block_topk_kernel[(n_progs, triton.cdiv(rows, 16))](
-            flat, w_down, w_up, vals, idx, bm, bs, rows, d, rank, vocab, n_blocks, n_progs,
-            *w_down.stride(), *w_up.stride(), inv_t, K=k, KP2=kp2, BD=64,
-            BR=max(16, triton.next_power_of_2(rank)), BN=HEAD_BN, SUB=HEAD_SUB,
-            UPCAST=INTERPRET, IEEE=h.dtype == torch.float32)
-        _row_topk_kernel[(rows,)](vals, vals, idx, bm, bs, tok, lp, vocab, n_blocks, n_progs,
-                                  inv_t, K=k, KP2=kp2, NB=triton.next_power_of_2(n_blocks),
-                                  NS=triton.next_power_of_2(n_progs), FROM_KEYS=True)
+        _row_topk_kernel[(rows,)](flat, vals, idx, bm, bs, tok, lp, vocab, n_blocks, inv_t, K=k,
+                                  KP2=kp2, NB=triton.next_power_of_2(n_blocks))
     return tok.reshape(*shape, k), lp.reshape(*shape, k)

@@ -232,7 +232,6 @@ def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch
 
 
 Expand = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
-Children = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
@@ -267,7 +266,7 @@ def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
 def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeShape,
               expand: Expand, params: SamplingParams = SamplingParams(),
               generator: torch.Generator | None = None, seed: torch.Tensor | None = None,
-              fused: bool | None = None, children: Children | None = None) -> TreeDraft:
+              fused: bool | None = None) -> TreeDraft:
     """Draft a tree per row from the root's raw draft logits [B, V].
 
     Each depth, every frontier node gets children (:func:`pick_children`; static: ``k_d`` of
@@ -281,14 +280,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     earlier siblings (a sampled sibling was drawn without the ones before it): a node's rank is
     the minimum score of itself and its earlier siblings, never above its parent's; ties go to
     the earlier node. ``fused`` (default: on a GPU): the bookkeeping of each depth and the final
-    choice run as single Triton kernels (:mod:`flashspec.tree_kernels`), with the same result.
-    ``children`` (greedy only): ``children(x, k) -> (tokens, log q) [B, f, k]``, the top k
-    children straight from what ``root_logits`` and ``expand`` stand for (e.g. features through
-    a fused head and top k, :meth:`flashspec.heads.modules.LowRankHead.topk`), in place of
-    :func:`pick_children` on logits."""
-    if children is not None and not params.greedy:
-        raise FlashSpecError("grow_tree: children= picks the top k, so it drafts greedy trees "
-                             "only (sampled children need the logits they were drawn from)")
+    choice run as single Triton kernels (:mod:`flashspec.tree_kernels`), with the same result."""
     batch, dev = root_logits.shape[0], root_logits.device
     fused = root_logits.is_cuda if fused is None else fused
     m = shape.candidates
@@ -314,10 +306,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
             raw[rows, frontier] = logits
         k = shape.branching[d - 1] if shape.branching else shape.top_k
         streams = None if params.greedy else rows * NODE_STREAMS + frontier
-        if children is None:
-            tok, lp = pick_children(logits, k, params, generator, seed, streams)  # [B, f, k]
-        else:
-            tok, lp = children(logits, k)
+        tok, lp = pick_children(logits, k, params, generator, seed, streams)  # [B, f, k]
         n_new = tok[0].numel()
         nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
         frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
-from flashspec.argmax import gumbel_argmax, lowrank_topk, row_argmax, row_topk
-from flashspec.heads.modules import LowRankHead
+from flashspec.argmax import gumbel_argmax, row_argmax, row_topk
 from flashspec.verify.sampling import SamplingParams, gumbel_draw, inverse_temperature
 
 
@@ -129,64 +127,3 @@ def test_gumbel_topk_draws_without_replacement_and_a_planted_bug_fails():
 
     assert p_value(t) > 1e-3
     assert p_value(1.0) < 1e-6
-
-
-@settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 20), vocab=st.integers(8, 2600), hidden=st.integers(80, 150),
-       rank=st.integers(16, 80), k=st.integers(1, 6), transposed=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_lowrank_topk_equals_row_topk_of_the_heads_logits(rows, vocab, hidden, rank, k,
-                                                          transposed, dtype, seed):
-    """The fused head + top k picks row_topk's tokens of LowRankHead(h) (more than one 16-row
-    group, partial blocks, a rank that is not a power of two, either weight layout). Small
-    integer weights make every sum exact, so both sides round the same logits to the dtype;
-    their bf16 rounding makes ties common."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randint(-1, 2, (rows, hidden), generator=g).to(dtype)
-    w_down = torch.randint(-1, 2, (rank, hidden), generator=g).to(dtype)
-    w_up = torch.randint(-1, 2, (vocab, rank), generator=g).to(dtype)
-    if transposed:
-        w_up = w_up.t().contiguous().t()
-    logits = LowRankHead(w_down, w_up)(h)
-    want_tok, want_lp = row_topk(logits, min(k, vocab))
-    tok, lp = lowrank_topk(h, w_down, w_up, min(k, vocab), inv_t=1.0)
-    assert torch.equal(tok, want_tok)
-    torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-5)
-
-
-def test_lowrank_topk_applies_the_inverse_temperature_and_checks_shapes():
-    g = torch.Generator().manual_seed(3)
-    h, w_down, w_up = torch.randn(2, 3, 40, generator=g), torch.randn(24, 40, generator=g), \
-        torch.randn(1500, 24, generator=g)
-    logits = LowRankHead(w_down, w_up)(h)
-    tok, lp = lowrank_topk(h, w_down, w_up, 3, inv_t=0.5)
-    want_tok, want_lp = row_topk(logits, 3, 0.5)
-    assert tok.shape == (2, 3, 3) and torch.equal(tok, want_tok)
-    torch.testing.assert_close(lp, want_lp, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="w_down"):
-        lowrank_topk(h, w_down.t(), w_up, 3)
-
-
-def test_lowrank_topk_rounds_bf16_to_nearest():
-    """Random bf16 weights: u and the logits rounded to nearest as the head's matmuls round
-    them (a truncating cast shifts every log-probability by a few hundredths)."""
-    g = torch.Generator().manual_seed(8)
-    h = (2 * torch.randn(3, 64, generator=g)).to(torch.bfloat16)
-    w_down = (torch.randn(24, 64, generator=g) / 8).to(torch.bfloat16)
-    w_up = (torch.randn(1500, 24, generator=g) / 2).to(torch.bfloat16)
-    want_tok, want_lp = row_topk(LowRankHead(w_down, w_up)(h), 4)
-    tok, lp = lowrank_topk(h, w_down, w_up, 4)
-    assert torch.equal(tok, want_tok)
-    torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-5)
-
-
-def test_lowrank_topk_ranks_the_logits_rounded_to_bf16():
-    """Logits 256 (column 0) and 257 (column 1) are both 256 in bf16, as the head writes them:
-    the tie goes to column 0 (ranking the unrounded sums would pick column 1)."""
-    h, w_down = torch.ones(1, 16, dtype=torch.bfloat16), torch.eye(16, dtype=torch.bfloat16)
-    w_up = torch.zeros(300, 16, dtype=torch.bfloat16)
-    w_up[0] = 16.0
-    w_up[1] = 16.0
-    w_up[1, 0] = 17.0
-    assert LowRankHead(w_down, w_up)(h)[0, :2].tolist() == [256.0, 256.0]
-    assert lowrank_topk(h, w_down, w_up, 2)[0].tolist() == [[0, 1]]

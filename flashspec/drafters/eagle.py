@@ -25,10 +25,10 @@ from flashspec.drafters.base import (DecodeState, DraftContext, Drafter, Graphed
 from flashspec.drafters.eagle_checkpoint import load_eagle
 from flashspec.drafters.eagle_module import EagleModule
 from flashspec.errors import FlashSpecError
-from flashspec.heads import FullHeadChoice, HeadChoice, LowRankHead
+from flashspec.heads import FullHeadChoice, HeadChoice
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
-from flashspec.tree import Children, TreeAttention, TreeDraft, TreeShape, grow_tree
+from flashspec.tree import TreeAttention, TreeDraft, TreeShape, grow_tree
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.matmul import linear
 from flashspec.verify.sampling import SamplingParams, sample
@@ -178,7 +178,6 @@ class EagleDrafter(GraphedDrafting, Drafter):
         out = self._run(self.feats, positions, window, positions, span)
         rows = torch.arange(batch, device=dev)
         root_feat = out[rows, root]
-        children = self._head_topk(params, positions)
         base = lengths - 1
         # the nodes expanded last: their predicted features [B, f, d] and node ids [B, f]
         last = [root_feat[:, None], torch.zeros(batch, 1, dtype=torch.long, device=dev)]
@@ -200,20 +199,10 @@ class EagleDrafter(GraphedDrafting, Drafter):
                 new = self.module(feat, self.target.embed_tokens(toks), self.target.rope(pos),
                                   attention.slots, attention.mask, self.cache, tree_span)
             last[:] = [new, ids]
-            return new if children else self._scaled(self.head(new))
+            return self._scaled(self.head(new))
 
-        return grow_tree(root_feat if children else self._scaled(self.head(root_feat)),
-                         tokens[rows, base], shape, expand, params, generator, seed,
-                         children=children)
-
-    def _head_topk(self, params: SamplingParams, positions: torch.Tensor) -> Children | None:
-        """A greedy tree's children with the low-rank head on the fused path: the head and the
-        top k in one pass over W_up (:meth:`LowRankHead.topk`), the logits never written."""
-        if not (params.greedy and isinstance(self.head, LowRankHead)
-                and self._fusable(self.feats, positions)):
-            return None
-        head, inv_t = self.head, 1.0 / self.draft_temperature
-        return lambda h, k: head.topk(h, k, inv_t)
+        return grow_tree(self._scaled(self.head(root_feat)), tokens[rows, base], shape, expand,
+                         params, generator, seed)
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits with ``draft_temperature`` applied (what drafts are drawn from)."""

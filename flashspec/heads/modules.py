@@ -143,14 +143,6 @@ class LowRankHead(nn.Module):
                 return triton_head.skinny_matmul(u, self.w_up)
         return linear(u, self.w_up)
 
-    def topk(self, h: torch.Tensor, k: int, inv_t: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, log-probabilities) [..., k] of the k largest logits of ``self(h) · inv_t``
-        per row, the head and the top k fused (:func:`flashspec.argmax.lowrank_topk`: the
-        logits are never written; Triton, so CUDA or the interpreter)."""
-        from flashspec.argmax import lowrank_topk   # triton only where it runs
-        return lowrank_topk(h, self.w_down, self.w_up, k, inv_t)
-
     def weight_bytes(self) -> int:
         return _bytes(self.w_down, self.w_up)
 

@@ -10,18 +10,12 @@ the decode attention for chain and tree queries; one JSON line per case.
 - ``drafter_input``: :func:`flashspec.models.fused.drafter_input` (SmolLM2 sizes, bf16 and
   fp32, each way of picking the feature rows) against the gathers, embedding, ``add_rmsnorm``
   and concatenation it replaces: elements that differ (bit for bit).
-- ``lowrank_topk``: :func:`flashspec.argmax.lowrank_topk` against ``row_topk`` of the
-  low-rank head's logits: rows whose top k differ, and the logit gap where they do.
-- ``children_us``, ``tree_verify_us`` (``--timing``): a greedy tree's children by the head's
-  matmuls and ``row_topk`` against ``lowrank_topk``; the tree verify with its statistics pass
-  in one or ``STAT_SPLITS`` programs per node.
 - ``attention_us`` (``--timing``): one ``decode_attention`` call, graph-replayed, for the
   queries of an AR step (1 token), a chain verify (5), a drafter window (7), a drafter
   frontier (4 tree nodes) and a tree verify (16 nodes), at the same context lengths, over
   launch geometries (query rows, key slots, warps per program).
 
     python scripts/device/tree_kernel_check.py [--out check.jsonl] [--device cpu] [--timing]
-        [--skip-grow]
 """
 from __future__ import annotations
 
@@ -101,111 +95,38 @@ def time_attention(out) -> None:
                                      bits, lengths, cap)
             for block_m, block_n, warps in ((None, None, 4), (16, 32, 4), (16, 128, 4),
                                             (16, 64, 2), (32, 64, 4)):
-                us = graph_us(lambda: fused.decode_attention(q, k, v, pos, block_m, tree, block_n,
-                                                             warps))
+                call = lambda: fused.decode_attention(q, k, v, pos, block_m, tree, block_n, warps)
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(50):
+                        call()
+                graph.replay()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    graph.replay()
+                end.record()
+                torch.cuda.synchronize()
                 emit(out, check="attention_us", case=name, context=ctx, block_m=block_m,
-                     block_n=block_n, warps=warps, us=us)
-
-
-def graph_us(call) -> float:
-    """µs per call of ``call``: 50 calls captured in a CUDA graph, replayed 10 times."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(50):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) * 1e3 / 500, 2)
-
-
-def lowrank_weights(dev: str, dtype: torch.dtype, seed: int = 0):
-    """A rank-72 head at SmolLM2 sizes (d 576, V 49152) with logits of a few units."""
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    w_down = (torch.randn(72, 576, device=dev, generator=gen) / 24).to(dtype)
-    w_up = (torch.randn(VOCAB, 72, device=dev, generator=gen) / 3).to(dtype)
-    return w_down, w_up
-
-
-def check_lowrank_topk(out, dev: str) -> None:
-    """lowrank_topk against row_topk of the head's logits (cuBLAS on a GPU): rows whose top k
-    differ, and the largest logit gap between the two picks where they differ (a near-tie
-    broken the other way by another summation order is expected, nothing larger)."""
-    from flashspec.argmax import lowrank_topk
-    from flashspec.heads import LowRankHead
-    for dtype in (torch.bfloat16, torch.float32):
-        w_down, w_up = lowrank_weights(dev, dtype)
-        head = LowRankHead(w_down, w_up)
-        for rows, k in ((1, 4), (4, 4), (16, 2), (37, 3)):
-            gen = torch.Generator(device=dev).manual_seed(rows)
-            h = (2 * torch.randn(rows, 576, device=dev, generator=gen)).to(dtype)
-            with torch.no_grad():
-                logits = head(h)
-            want, want_lp = row_topk(logits, k)
-            tok, lp = lowrank_topk(h, w_down, w_up, k)
-            diff = (tok != want).any(1)
-            gap = (logits.float().gather(1, want) - logits.float().gather(1, tok)).abs()
-            emit(out, check="lowrank_topk", dtype=str(dtype), rows=rows, k=k,
-                 mismatched_rows=int(diff.sum()), max_gap_where_mismatched=float(
-                     gap[diff].max()) if bool(diff.any()) else 0.0,
-                 max_lp_err=float((lp - want_lp).abs().max()))
-
-
-def time_heads(out) -> None:
-    """Per-call µs of a greedy tree's children at SmolLM2 sizes (bf16): the low-rank head's two
-    cuBLAS matmuls then row_topk, against lowrank_topk; and of the tree verify (16 nodes, V
-    49152, greedy and T = 1 with q) with the statistics pass in 1 or STAT_SPLITS programs per
-    node."""
-    from flashspec.argmax import lowrank_topk
-    from flashspec.heads import LowRankHead
-    from flashspec.tree import TreeDraft
-    from flashspec.verify import triton_tree
-    dev = "cuda"
-    w_down, w_up = lowrank_weights(dev, torch.bfloat16)
-    head = LowRankHead(w_down, w_up).requires_grad_(False)
-    for rows in (1, 4):
-        h = torch.randn(rows, 576, device=dev, dtype=torch.bfloat16)
-        emit(out, check="children_us", rows=rows, way="head+row_topk",
-             us=graph_us(lambda: row_topk(head(h), 4)))
-        emit(out, check="children_us", rows=rows, way="lowrank_topk",
-             us=graph_us(lambda: lowrank_topk(h, w_down, w_up, 4)))
-    parents = torch.tensor([[-1, 0, 0, 0, 1, 1, 2, 4, 4, 5, 7, 7, 8, 10, 11, 13]], device=dev)
-    depth = torch.tensor([[0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 6]], device=dev)
-    tokens = torch.randint(0, VOCAB, parents.shape, device=dev)
-    target = torch.randn(1, 16, VOCAB, device=dev, dtype=torch.bfloat16)
-    seed = torch.tensor(3, device=dev)
-    for temperature in (0.0, 1.0):
-        q = None if temperature == 0.0 else torch.randn_like(target)
-        draft = TreeDraft(tokens, parents, depth, q)
-        params = SamplingParams(temperature)
-        for splits in (1, triton_tree.STAT_SPLITS):
-            emit(out, check="tree_verify_us", temperature=temperature, splits=splits,
-                 us=graph_us(lambda: triton_tree.launch(target, draft, params, seed, None, 6,
-                                                        splits)))
+                     block_n=block_n, warps=warps, us=round(start.elapsed_time(end) * 1e3 / 500, 2))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (TRITON_INTERPRET=1)")
-    ap.add_argument("--timing", action="store_true",
-                    help="also time decode_attention, the children and the tree verify (GPU)")
-    ap.add_argument("--skip-grow", action="store_true", help="leave out the grow checks")
+    ap.add_argument("--timing", action="store_true", help="also time decode_attention (GPU)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("tree_kernel_check needs a CUDA GPU", file=sys.stderr)
         return 2
     out = open(args.out, "a") if args.out else None
     dev = args.device
-    for spec in () if args.skip_grow else ("3x2x1", "dyn10d5k2", "dyn15d6k4", "dyn15d8k3"):
+    for spec in ("3x2x1", "dyn10d5k2", "dyn15d6k4", "dyn15d8k3"):
         for temperature in (0.0, 1.0):
             bad = rows = 0
             for trial in range(10):
@@ -237,9 +158,7 @@ def main() -> int:
              mismatched_rows=int((tok.cpu() != want).any(1).sum()),
              max_lp_err=float((lp.cpu() - want_lp).abs().max()))
     check_drafter_input(out, dev)
-    check_lowrank_topk(out, dev)
     if args.timing:
-        time_heads(out)
         time_attention(out)
     return 0
 
