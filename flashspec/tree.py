@@ -218,13 +218,17 @@ def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
     return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span, base)
 
 
-def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
-                 ) -> torch.Tensor:
+def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor,
+                 fused: bool | None = None) -> torch.Tensor:
     """After a tree step of rows with committed ``lengths`` [B]: move the K/V of the accepted
     nodes ``path`` [B, D] (-1 padded) from their own slots L - 1 + id to slots L .. L + D - 1 of
     ``cache`` (a :class:`flashspec.models.llama.KVCache`; unaccepted slots copy onto
     themselves), and return the hidden states [B, D + 1, d] of the root and the path (the
-    root's where the path stops) out of the step's ``hidden`` [B, N + 1, d]."""
+    root's where the path stops) out of the step's ``hidden`` [B, N + 1, d]. ``fused``
+    (default: on a GPU): all of it in one Triton launch (:func:`flashspec.tree_kernels.compact`)."""
+    if hidden.is_cuda if fused is None else fused:
+        from flashspec.tree_kernels import compact
+        return compact(cache.k, cache.v, hidden, path, lengths)
     dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
     cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
     cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
@@ -285,22 +289,27 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     fused = root_logits.is_cuda if fused is None else fused
     m = shape.candidates
     rows = torch.arange(batch, device=dev)[:, None]
-    tokens = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
-    parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
-    depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
-    score = torch.zeros(batch, m + 1, device=dev)
-    bits = torch.zeros(batch, m + 1, -(-(m + 1) // 64), dtype=torch.long, device=dev)
-    bits[..., 0] = 1                                                   # every node: the root
+    words = -(-(m + 1) // 64)
+    if fused:      # every node's row is written by a depth's kernel (the root's by the first)
+        from flashspec.tree_kernels import grow_depth
+        new = lambda *size, dtype=torch.long: torch.empty(*size, dtype=dtype, device=dev)
+        tokens, parents, depth = new(batch, m + 1), new(batch, m + 1), new(batch, m + 1)
+        score, bits = new(batch, m + 1, dtype=torch.float32), new(batch, m + 1, words)
+    else:
+        grow_depth = _grow_depth
+        tokens = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
+        parents = torch.full((batch, m + 1), -1, dtype=torch.long, device=dev)
+        depth = torch.zeros(batch, m + 1, dtype=torch.long, device=dev)
+        score = torch.zeros(batch, m + 1, device=dev)
+        bits = torch.zeros(batch, m + 1, words, dtype=torch.long, device=dev)
+        bits[..., 0] = 1                                               # every node: the root
+        tokens[:, 0] = root_tokens
     sampled = not params.greedy
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)
-    tokens[:, 0] = root_tokens
-    frontier = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+    frontier = (torch.zeros(batch, 1, dtype=torch.long, device=dev)
+                if sampled or not fused else None)   # None: the root (the fused first depth)
     logits, used = root_logits[:, None], 1
-    if fused:
-        from flashspec.tree_kernels import grow_depth
-    else:
-        grow_depth = _grow_depth
     for d in range(1, shape.max_depth + 1):
         if raw is not None:
             raw[rows, frontier] = logits
@@ -309,8 +318,13 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         tok, lp = pick_children(logits, k, params, generator, seed, streams)  # [B, f, k]
         n_new = tok[0].numel()
         nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
-        frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,
-                                                    score, bits, used, d, nxt)
+        if fused:
+            frontier, f_tok, f_par, f_bits = grow_depth(
+                tok, lp, None if d == 1 else frontier, tokens, parents, depth, score, bits,
+                used, d, nxt, root=root_tokens if d == 1 else None)
+        else:
+            frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents,
+                                                        depth, score, bits, used, d, nxt)
         used += n_new
         if d < shape.max_depth:
             logits = expand(frontier, f_tok, f_par, d, f_bits)

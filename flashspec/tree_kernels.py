@@ -24,16 +24,27 @@ def _bit(node, w: tl.constexpr):
 
 
 @triton.jit
-def _depth_kernel(tok_ptr, lp_ptr, front_ptr, tokens_ptr, parents_ptr, depth_ptr, score_ptr,
-                  bits_ptr, next_ptr, ntok_ptr, npar_ptr, nbits_ptr, M1, used, d,
+def _depth_kernel(tok_ptr, lp_ptr, front_ptr, root_ptr, tokens_ptr, parents_ptr, depth_ptr,
+                  score_ptr, bits_ptr, next_ptr, ntok_ptr, npar_ptr, nbits_ptr, M1, used, d,
                   F: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, NEXT: tl.constexpr,
-                  NEXTP: tl.constexpr, SELECT: tl.constexpr, W: tl.constexpr):
+                  NEXTP: tl.constexpr, SELECT: tl.constexpr, W: tl.constexpr,
+                  ROOT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, NP)                      # new node c = (frontier slot i, child j)
     live = c < F * K
     i = c // K
     j = c % K
-    par = tl.load(front_ptr + b * F + i, mask=live, other=0)
+    if ROOT:         # the first depth: write the root's row (node 0), the only parent
+        tl.store(tokens_ptr + b * M1, tl.load(root_ptr + b))
+        tl.store(parents_ptr + b * M1, -1)
+        tl.store(depth_ptr + b * M1, 0)
+        tl.store(score_ptr + b * M1, 0.0)
+        for w in tl.static_range(W):
+            tl.store(bits_ptr + b * M1 * W + w, tl.sum(_bit(tl.zeros([1], tl.int64), w), axis=0))
+        tl.debug_barrier()
+        par = tl.zeros([NP], tl.int64)
+    else:
+        par = tl.load(front_ptr + b * F + i, mask=live, other=0)
     pscore = tl.load(score_ptr + b * M1 + par, mask=live, other=0.0)
     row_lp = lp_ptr + b * (F * K)
     score = pscore + tl.load(row_lp + c, mask=live, other=0.0)
@@ -115,11 +126,14 @@ def _keep_kernel(tokens_ptr, parents_ptr, depth_ptr, score_ptr, ren_ptr, keep_pt
             tl.store(obits_ptr + (b * (N + 1) + q) * OW + w, above | own)
 
 
-def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,
+def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor | None,
                tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-               score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int
+               score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int,
+               root: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One depth of growth (see :func:`flashspec.tree._grow_depth`, the torch form)."""
+    """One depth of growth (see :func:`flashspec.tree._grow_depth`, the torch form). ``root``
+    [B] (the first depth, ``frontier`` None): the root tokens; the kernel also writes the
+    root's row (node 0), so the buffers need no initialisation."""
     batch, f, k = tok.shape
     words, m1 = bits.shape[-1], tokens.shape[1]
     dev = tok.device
@@ -128,11 +142,14 @@ def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,
     npar = torch.empty_like(nxt_ids)
     nbits = torch.empty(batch, nxt, words, dtype=torch.long, device=dev)
     if batch:
-        _depth_kernel[(batch,)](tok.contiguous(), lp.float().contiguous(), frontier.contiguous(),
+        first = frontier is None
+        _depth_kernel[(batch,)](tok.contiguous(), lp.float().contiguous(),
+                                tok if first else frontier.contiguous(),
+                                root.contiguous() if first else tok,
                                 tokens, parents, depth, score, bits, nxt_ids, ntok, npar, nbits,
                                 m1, used, d, F=f, K=k, NP=triton.next_power_of_2(f * k),
                                 NEXT=nxt, NEXTP=triton.next_power_of_2(nxt),
-                                SELECT=nxt < f * k, W=words)
+                                SELECT=nxt < f * k, W=words, ROOT=first)
     return nxt_ids, ntok, npar, nbits
 
 
@@ -152,3 +169,62 @@ def keep_best(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
                                MP=triton.next_power_of_2(m1 - 1), N=nodes,
                                NP1=triton.next_power_of_2(nodes + 1), OW=words)
     return keep, out[0], out[1], out[2], obits
+
+
+@triton.jit
+def _compact_kernel(k_ptr, v_ptr, hid_ptr, out_ptr, path_ptr, len_ptr, s_hb, s_hn, C, LAYERS,
+                    D: tl.constexpr, DP1: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                    HDIM: tl.constexpr, DM: tl.constexpr, DMP: tl.constexpr):
+    """Program (l, b): l < 2 LAYERS moves layer l % LAYERS of K (l < LAYERS) or V of row b
+    (every head, the D path slots read before any is written); l = 2 LAYERS gathers row b's
+    hidden states of the root and the path."""
+    l = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    batch = tl.num_programs(1).to(tl.int64)
+    n = tl.arange(0, DP1)
+    if l < 2 * LAYERS:
+        ok = n < D
+        p = tl.load(path_ptr + b * D + n, mask=ok, other=-1)
+        length = tl.load(len_ptr + b)
+        dst = length + n
+        src = tl.where(p >= 0, length - 1 + p, dst)
+        e = tl.arange(0, EP)                  # head * HDIM + lane
+        head = (((l % LAYERS).to(tl.int64) * batch + b) * (E // HDIM) + e // HDIM) * C
+        lane = (e % HDIM)[None, :]
+        m = ok[:, None] & (e < E)[None, :]
+        at_src = (head[None, :] + src[:, None]) * HDIM + lane
+        at_dst = (head[None, :] + dst[:, None]) * HDIM + lane
+        if l < LAYERS:
+            x = tl.load(k_ptr + at_src, mask=m)
+            tl.debug_barrier()                # a destination may be another slot's source
+            tl.store(k_ptr + at_dst, x, mask=m)
+        else:
+            x = tl.load(v_ptr + at_src, mask=m)
+            tl.debug_barrier()
+            tl.store(v_ptr + at_dst, x, mask=m)
+    else:
+        ok = n <= D
+        node = tl.maximum(tl.load(path_ptr + b * D + n - 1, mask=ok & (n >= 1), other=0), 0)
+        c = tl.arange(0, DMP)[None, :]
+        m = ok[:, None] & (c < DM)
+        x = tl.load(hid_ptr + b * s_hb + node[:, None] * s_hn + c, mask=m)
+        tl.store(out_ptr + (b * (D + 1) + n[:, None]) * DM + c, x, mask=m)
+
+
+def compact(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, path: torch.Tensor,
+            lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`flashspec.tree.compact_path` in one launch: K/V caches ``k``, ``v`` [layers, B,
+    H, C, hd] moved in place, the root's and the path's hidden states returned."""
+    layers, batch, heads, capacity, hd = k.shape
+    depth, dm = path.shape[1], hidden.shape[-1]
+    out = torch.empty(batch, depth + 1, dm, dtype=hidden.dtype, device=hidden.device)
+    if batch and hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    if batch:
+        _compact_kernel[(2 * layers + 1, batch)](
+            k, v, hidden, out, path.contiguous(), lengths.contiguous(), hidden.stride(0),
+            hidden.stride(1), capacity, layers, D=depth,
+            DP1=triton.next_power_of_2(depth + 1), E=heads * hd,
+            EP=triton.next_power_of_2(heads * hd), HDIM=hd, DM=dm,
+            DMP=triton.next_power_of_2(dm))
+    return out

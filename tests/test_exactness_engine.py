@@ -28,6 +28,7 @@ from test_engine import small_model_dir
 
 pytestmark = pytest.mark.slow
 N, CHUNK, NEW = 2_000, 500, 2  # the 10,000-sample gate runs at the verify level
+N_POWER = 500   # a lying drafter fails the gate by p < 1e-200 at 500 rows (both loops)
 PROMPT = "The quick brown fox"
 
 
@@ -40,10 +41,10 @@ def small(tmp_path_factory):
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
                  policy=None, graphs: bool = False, resident: bool = False,
-                 chunk: int = CHUNK) -> np.ndarray:
-    """N rows × NEW tokens from the engine, in chunks of ``chunk`` identical prompts."""
+                 chunk: int = CHUNK, rows: int = N) -> np.ndarray:
+    """``rows`` × NEW tokens from the engine, in chunks of ``chunk`` identical prompts."""
     out = []
-    for c in range(N // chunk):
+    for c in range(rows // chunk):
         engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
                             graphs=graphs, resident=resident)
         engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
@@ -148,8 +149,8 @@ def test_engine_gate_catches_a_drafter_that_lies_about_q(small, resident):
 
     params = SamplingParams(temperature=1.0)
     spec = sample_pairs(model, prompt, [Arm(WrongQ(model, [0], name="liar"), 2)], params, seed=5,
-                        resident=resident)
+                        resident=resident, rows=N_POWER)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
     probs = exact_target_probs(logits, 1.0)
-    assert not gate(spec[:, :1], sample_reference(probs, N, seed=6), probs).passed
+    assert not gate(spec[:, :1], sample_reference(probs, N_POWER, seed=6), probs).passed

@@ -155,6 +155,35 @@ def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
         torch.testing.assert_close(cache.k[:, 0, :, :L + 3], chain.k[:, 0, :, :L + 3], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_compaction_equals_torch(dtype) -> None:
+    """compact_path in one Triton launch (interpreter here) equals the torch gathers and
+    scatters: K and V of every layer and head, paths whose sources overlap later destinations
+    (node 3 at slot L + 2 moves to L while depth 3 lands on L + 2), paths that stop early, and
+    the hidden states of the root and the path; slots off the path are left alone."""
+    from flashspec.models.llama import KVCache, LlamaShape
+    from flashspec.tree import compact_path
+    shape = LlamaShape(vocab_size=16, hidden_size=40, intermediate_size=8, num_layers=3,
+                       num_heads=4, num_kv_heads=3, head_dim=8)
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([5, 9, 2, 7])
+    path = torch.tensor([[3, 5, 8, 11], [1, 2, -1, -1], [-1, -1, -1, -1], [2, 4, 6, 9]])
+    hidden = torch.randn(4, 12, 40, generator=gen).to(dtype)
+    out = []
+    for fused in (False, True):
+        cache = KVCache([0, 1, 2], 4, 24, shape, dtype, "cpu")
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+        out.append((compact_path(cache, hidden, path, lengths, fused=fused), cache.k, cache.v))
+    (h_ref, k_ref, v_ref), (h, k, v) = out
+    assert torch.equal(h, h_ref) and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert torch.equal(h_ref[0, 1:], hidden[0, [3, 5, 8, 11]]) and torch.equal(h_ref[2], hidden[2, [0] * 5])
+    fresh = KVCache([0, 1, 2], 4, 24, shape, dtype, "cpu")
+    fresh.k.copy_(torch.randn(fresh.k.shape, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(k_ref[:, 0, :, 5], fresh.k[:, 0, :, 5 - 1 + 3])       # node 3 -> slot L
+    assert torch.equal(k_ref[:, 0, :, 9:], fresh.k[:, 0, :, 9:])             # past the path
+
+
 def test_alpha_by_depth() -> None:
     assert alpha_by_depth([[2, 1, 1], [0, 0, 0, 4]]) == [6 / 8, 5 / 6, 4 / 5]
 

@@ -113,6 +113,29 @@ def test_triton_tree_matches_reference_across_race_blocks(full_q) -> None:
     assert 0 < int(n_acc.sum()) < 3 * 8
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_triton_tree_split_statistics_match_reference(splits) -> None:
+    """The statistics pass with each node's vocabulary over several programs (as on a GPU)
+    merges to the reference's walk: greedy rows (the argmax may lie in any split), sampled
+    rows with q, and a NaN in the last split of one row poisons that row only."""
+    gen = torch.Generator().manual_seed(5)
+    target, draft = make_tree_case(gen, 6, 0, 3000, 1.0, True, torch.float32, 0.0, (3, 2, 1),
+                                   scale=5.0)
+    temperature = torch.tensor([0.0, 1.0, 0.0, 0.7, 1.0, 0.0])
+    want = reference_tree.verify_tree(target, draft, SamplingParams(temperature=1.0), 7,
+                                      temperature, 3)
+    dev = to(draft, DEVICE)
+    got = triton_tree.launch(target.to(DEVICE), dev, SamplingParams(temperature=1.0), 7,
+                             temperature.to(DEVICE), 3, splits=splits)
+    assert {int(a) // 1024 for a in target[temperature == 0.0, 0].argmax(-1)} != {0}
+    for name, w, g in zip(("out", "n_accepted", "path"), want, got):
+        assert torch.equal(w, g.cpu()), f"{name}: reference {w.tolist()} vs triton {g.tolist()}"
+    target[2, 0, 2990] = float("nan")
+    out, n_acc, _ = triton_tree.launch(target.to(DEVICE), dev, SamplingParams(temperature=1.0),
+                                       7, temperature.to(DEVICE), 3, splits=splits)
+    assert n_acc.cpu().tolist()[2] == -1 and (n_acc.cpu() >= 0).sum() == 5
+
+
 def test_triton_tree_poisons_bad_rows() -> None:
     """NaN logits: CPU tensors raise like the reference; CUDA marks the row (n_accepted -1, all
     tokens -1) without a host sync and leaves the other rows alone."""

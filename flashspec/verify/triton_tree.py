@@ -6,7 +6,9 @@ masses, which can only matter when a log-space test or a race is decided by ~1e-
 
 1. ``tree_stats_kernel``: per (row, node) of the target logits (and of the draft logits when
    siblings were sampled) one streaming pass over V: max/T, log Σ exp, the first argmax and a
-   poison flag (NaN/+inf, a row of only -inf, x/T overflowing). Every node in parallel.
+   poison flag (NaN/+inf, a row of only -inf, x/T overflowing). Every node in parallel, and on
+   a GPU each node's vocabulary in STAT_SPLITS programs, which ``tree_stats_merge_kernel``
+   combines (a lone 49k-wide row streamed by one program took 20 µs on an H200).
 2. ``tree_walk_kernel``: per row group, the walk down the tree of the recursive rejection rule.
    At a node its children are tested in sibling order; the residual after rejected siblings
    is never materialised: it is a function of p(v), q(v) and, per rejected sibling j, the
@@ -39,16 +41,18 @@ from flashspec.verify.triton_kernels import (BIG_IDX, FLT_MAX, NEG_INF, POS_INF,
                                              _uniform)
 
 N_STAT = 4          # Mz, log S, argmax, poisoned per (row, node) in the workspace
+STAT_SPLITS = 12    # programs per (row, node) of the statistics pass on a GPU
 
 
 @triton.jit
-def tree_stats_kernel(src, s_sb, temp_ptr, temp, ws, base, B, W, V,
-                      ROWS: tl.constexpr, CHUNK: tl.constexpr, ROW_TEMP: tl.constexpr,
-                      INTERPRET: tl.constexpr):
-    """Statistics of rows r = b * W + i of ``src`` [B, W, V] (batch stride s_sb, node stride
-    V), stored at ws[base + r * N_STAT + 0..3]: max/T, log Σ exp((x - max)/T), first argmax,
-    poisoned (1.0)."""
+def tree_stats_kernel(src, s_sb, temp_ptr, temp, part, B, W, V, span,
+                      ROWS: tl.constexpr, CHUNK: tl.constexpr, ROW_TEMP: tl.constexpr):
+    """Partial statistics of rows r = b * W + i of ``src`` [B, W, V] (batch stride s_sb, node
+    stride V) over the columns of split s = program_id(1) (``span`` wide), stored at
+    part[(r * splits + s) * N_STAT + 0..3]: max, Σ exp((x - max)/T), first argmax, NaN/+inf
+    seen (1.0)."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    split = tl.program_id(1)
     rm = r < B * W
     b = r // W
     scale, c2, greedy, badt = _row_temps(temp_ptr, temp, b, rm, ROW_TEMP)
@@ -56,8 +60,9 @@ def tree_stats_kernel(src, s_sb, temp_ptr, temp, ws, base, B, W, V,
     m = tl.full([ROWS], NEG_INF, tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     am = tl.full([ROWS], BIG_IDX, tl.int32)
-    bad = badt
-    for v0 in range(0, V, CHUNK):
+    bad = tl.zeros([ROWS], tl.int1)
+    lo = split * span
+    for v0 in range(lo, lo + span, CHUNK):
         offs = v0 + tl.arange(0, CHUNK)[None, :]
         x = tl.load(ptr[:, None] + offs, mask=rm[:, None] & (offs < V), other=NEG_INF)
         x = x.to(tl.float32)
@@ -70,6 +75,34 @@ def tree_stats_kernel(src, s_sb, temp_ptr, temp, ws, base, B, W, V,
         ns = tl.where(nm == NEG_INF, 0.0, nm)
         s = s * tl.exp2((m - ns) * c2) + tl.sum(tl.exp2((x - ns[:, None]) * c2[:, None]), 1)
         m = nm
+    out = part + (r * tl.num_programs(1) + split) * 4
+    tl.store(out, m, mask=rm)
+    tl.store(out + 1, s, mask=rm)
+    tl.store(out + 2, am.to(tl.float32), mask=rm)
+    tl.store(out + 3, bad.to(tl.float32), mask=rm)
+
+
+@triton.jit
+def tree_stats_merge_kernel(part, temp_ptr, temp, ws, base, B, W, splits,
+                            ROWS: tl.constexpr, SP2: tl.constexpr, ROW_TEMP: tl.constexpr,
+                            INTERPRET: tl.constexpr):
+    """The splits of rows r merged, stored at ws[base + r * N_STAT + 0..3]: max/T,
+    log Σ exp((x - max)/T), first argmax, poisoned (1.0: NaN/+inf, a row of only -inf, a bad
+    temperature, max/T overflowing). One split is the partial unchanged."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = r < B * W
+    scale, c2, greedy, badt = _row_temps(temp_ptr, temp, r // W, rm, ROW_TEMP)
+    sp = tl.arange(0, SP2)[None, :]
+    ok = rm[:, None] & (sp < splits)
+    at = part + (r[:, None] * splits + sp) * 4
+    pm = tl.load(at, mask=ok, other=NEG_INF)
+    ps = tl.load(at + 1, mask=ok, other=0.0)
+    pa = tl.load(at + 2, mask=ok, other=BIG_IDX).to(tl.int32)
+    bad = badt | (tl.max(tl.load(at + 3, mask=ok, other=0.0), 1) > 0.0)
+    m = tl.max(pm, 1)
+    am = tl.min(tl.where(pm == m[:, None], pa, BIG_IDX), 1)
+    ns = tl.where(m == NEG_INF, 0.0, m)
+    s = tl.sum(tl.where(pm == NEG_INF, 0.0, ps * tl.exp2((pm - ns[:, None]) * c2[:, None])), 1)
     bad = bad | (m == NEG_INF) | (s != s)
     mz = tl.math.div_rn(tl.where(bad, 0.0, m), scale)
     bad = bad | ~(mz <= FLT_MAX)
@@ -307,9 +340,11 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
 
 
 def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
-           seed: int | torch.Tensor, temperature: torch.Tensor | None, depth: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the two kernels (no fallback, no host sync); poisoned rows have n_accepted -1."""
+           seed: int | torch.Tensor, temperature: torch.Tensor | None, depth: int,
+           splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the kernels (no fallback, no host sync); poisoned rows have n_accepted -1.
+    ``splits``: programs per node row of the statistics pass (default: STAT_SPLITS on a GPU,
+    1 under the interpreter)."""
     batch, width, vocab = target_logits.shape
     dev = target_logits.device
     out = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)
@@ -330,14 +365,23 @@ def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams
     if INTERPRET:      # few, big programs: the interpreter pays per program, not per element
         rows_s = max(1, min(next_pow2(batch * width), (1 << 20) // next_pow2(vocab)))
         rows_w = max(1, min(next_pow2(batch), (1 << 20) // min(RBLK.value, next_pow2(vocab))))
-        chunk = min(next_pow2(vocab), 32768)
-    else:
+        splits = splits or 1
+        chunk = min(next_pow2(triton.cdiv(vocab, splits)), 32768)
+    else:              # a node's row in STAT_SPLITS programs: a lone row is latency bound
         rows_s, rows_w, chunk = 1, 1, 2048
+        splits = splits or STAT_SPLITS
+    splits = min(splits, triton.cdiv(vocab, chunk))
+    span = triton.cdiv(triton.cdiv(vocab, chunk), splits) * chunk
+    part = torch.empty(batch * width * splits * N_STAT, dtype=torch.float32, device=dev)
     row_temp = temperature is not None
+    rows_m = min(next_pow2(batch * width), 64)
     for i, (src, sb) in enumerate(((tgt, tgt.stride(0)), (drf, drf.stride(0)))[:1 + has_q]):
-        tree_stats_kernel[(triton.cdiv(batch * width, rows_s),)](
-            src, sb, temp_ptr, temp, ws, i * batch * width * N_STAT, batch, width, vocab,
-            ROWS=rows_s, CHUNK=chunk, ROW_TEMP=row_temp, INTERPRET=INTERPRET, num_warps=4)
+        tree_stats_kernel[(triton.cdiv(batch * width, rows_s), splits)](
+            src, sb, temp_ptr, temp, part, batch, width, vocab, span,
+            ROWS=rows_s, CHUNK=chunk, ROW_TEMP=row_temp, num_warps=4)
+        tree_stats_merge_kernel[(triton.cdiv(batch * width, rows_m),)](
+            part, temp_ptr, temp, ws, i * batch * width * N_STAT, batch, width, splits,
+            ROWS=rows_m, SP2=next_pow2(splits), ROW_TEMP=row_temp, INTERPRET=INTERPRET)
     tree_walk_kernel[(triton.cdiv(batch, rows_w),)](
         tgt, tgt.stride(0), drf, drf.stride(0), tok, par, temp_ptr, temp, seed_ptr, seed_i,
         seed_mode, ws, out, path, nacc, batch, width, vocab, depth,
