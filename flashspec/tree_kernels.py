@@ -182,33 +182,35 @@ def _compact_kernel(k_ptr, v_ptr, hid_ptr, out_ptr, path_ptr, len_ptr, s_hb, s_h
     b = tl.program_id(1).to(tl.int64)
     batch = tl.num_programs(1).to(tl.int64)
     n = tl.arange(0, DP1)
+    # (the compiler wants a name bound in both branches of an `if` to have one type: the
+    # branches' tiles have their own names)
     if l < 2 * LAYERS:
-        ok = n < D
-        p = tl.load(path_ptr + b * D + n, mask=ok, other=-1)
+        on_path = n < D
+        p = tl.load(path_ptr + b * D + n, mask=on_path, other=-1)
         length = tl.load(len_ptr + b)
         dst = length + n
         src = tl.where(p >= 0, length - 1 + p, dst)
         e = tl.arange(0, EP)                  # head * HDIM + lane
         head = (((l % LAYERS).to(tl.int64) * batch + b) * (E // HDIM) + e // HDIM) * C
         lane = (e % HDIM)[None, :]
-        m = ok[:, None] & (e < E)[None, :]
+        kv_mask = on_path[:, None] & (e < E)[None, :]
         at_src = (head[None, :] + src[:, None]) * HDIM + lane
         at_dst = (head[None, :] + dst[:, None]) * HDIM + lane
         if l < LAYERS:
-            x = tl.load(k_ptr + at_src, mask=m)
+            k_rows = tl.load(k_ptr + at_src, mask=kv_mask)
             tl.debug_barrier()                # a destination may be another slot's source
-            tl.store(k_ptr + at_dst, x, mask=m)
+            tl.store(k_ptr + at_dst, k_rows, mask=kv_mask)
         else:
-            x = tl.load(v_ptr + at_src, mask=m)
+            v_rows = tl.load(v_ptr + at_src, mask=kv_mask)
             tl.debug_barrier()
-            tl.store(v_ptr + at_dst, x, mask=m)
+            tl.store(v_ptr + at_dst, v_rows, mask=kv_mask)
     else:
-        ok = n <= D
-        node = tl.maximum(tl.load(path_ptr + b * D + n - 1, mask=ok & (n >= 1), other=0), 0)
-        c = tl.arange(0, DMP)[None, :]
-        m = ok[:, None] & (c < DM)
-        x = tl.load(hid_ptr + b * s_hb + node[:, None] * s_hn + c, mask=m)
-        tl.store(out_ptr + (b * (D + 1) + n[:, None]) * DM + c, x, mask=m)
+        kept = n <= D
+        node = tl.maximum(tl.load(path_ptr + b * D + n - 1, mask=kept & (n >= 1), other=0), 0)
+        col = tl.arange(0, DMP)[None, :]
+        h_mask = kept[:, None] & (col < DM)
+        h_rows = tl.load(hid_ptr + b * s_hb + node[:, None] * s_hn + col, mask=h_mask)
+        tl.store(out_ptr + (b * (D + 1) + n[:, None]) * DM + col, h_rows, mask=h_mask)
 
 
 def compact(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, path: torch.Tensor,
