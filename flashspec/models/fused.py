@@ -331,7 +331,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     a query at position p sees slots 0..p of its own row; with ``tree``
     (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
     and itself. Returns [B, n, H, D]. ``block_m`` (query rows), ``block_n`` (key slots) and
-    ``warps`` per program: the launch geometry (defaults: the ones the decode steps use)."""
+    ``warps`` per program: the launch geometry (defaults: the ones the decode steps use; 16-bit
+    chain queries take 128 key slots a block, 1.2x faster than 64 on an H200 at 256 cached
+    tokens and 1.3x at 1024, where tree queries were slower with 128 below 512 tokens)."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -352,7 +354,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n or (32 if ieee else 64), BLOCK_D=max(16, _pow2(head_dim)),
+        BLOCK_N=block_n or (32 if ieee else 64 if tree is not None else 128),
+        BLOCK_D=max(16, _pow2(head_dim)),
         TREE=tree is not None, NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee,
         num_warps=warps)
     return out
