@@ -308,7 +308,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)
     frontier = (torch.zeros(batch, 1, dtype=torch.long, device=dev)
-                if sampled or not fused else None)   # None: the root (the fused first depth)
+                if sampled or not fused else None)   # the fused first depth reads no frontier
     logits, used = root_logits[:, None], 1
     for d in range(1, shape.max_depth + 1):
         if raw is not None:
@@ -318,13 +318,9 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         tok, lp = pick_children(logits, k, params, generator, seed, streams)  # [B, f, k]
         n_new = tok[0].numel()
         nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
-        if fused:
-            frontier, f_tok, f_par, f_bits = grow_depth(
-                tok, lp, None if d == 1 else frontier, tokens, parents, depth, score, bits,
-                used, d, nxt, root=root_tokens if d == 1 else None)
-        else:
-            frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents,
-                                                        depth, score, bits, used, d, nxt)
+        first = {"root": root_tokens} if fused and d == 1 else {}   # the kernel writes it
+        frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,
+                                                    score, bits, used, d, nxt, **first)
         used += n_new
         if d < shape.max_depth:
             logits = expand(frontier, f_tok, f_par, d, f_bits)

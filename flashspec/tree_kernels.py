@@ -132,8 +132,9 @@ def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor | Non
                root: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One depth of growth (see :func:`flashspec.tree._grow_depth`, the torch form). ``root``
-    [B] (the first depth, ``frontier`` None): the root tokens; the kernel also writes the
-    root's row (node 0), so the buffers need no initialisation."""
+    [B] (the first depth; ``frontier`` is then ignored, the root is the only parent): the root
+    tokens; the kernel also writes the root's row (node 0), so the buffers need no
+    initialisation."""
     batch, f, k = tok.shape
     words, m1 = bits.shape[-1], tokens.shape[1]
     dev = tok.device
@@ -142,7 +143,7 @@ def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor | Non
     npar = torch.empty_like(nxt_ids)
     nbits = torch.empty(batch, nxt, words, dtype=torch.long, device=dev)
     if batch:
-        first = frontier is None
+        first = root is not None
         _depth_kernel[(batch,)](tok.contiguous(), lp.float().contiguous(),
                                 tok if first else frontier.contiguous(),
                                 root.contiguous() if first else tok,
@@ -220,9 +221,9 @@ def compact(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, path: torch.
     layers, batch, heads, capacity, hd = k.shape
     depth, dm = path.shape[1], hidden.shape[-1]
     out = torch.empty(batch, depth + 1, dm, dtype=hidden.dtype, device=hidden.device)
-    if batch and hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
     if batch:
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
         _compact_kernel[(2 * layers + 1, batch)](
             k, v, hidden, out, path.contiguous(), lengths.contiguous(), hidden.stride(0),
             hidden.stride(1), capacity, layers, D=depth,
