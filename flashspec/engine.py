@@ -109,7 +109,7 @@ class SpecEngine:
                  params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
                  compile: bool = False, planner: WidthPlanner | None = None,
-                 resident: bool = False, chunk: int = 2) -> None:
+                 resident: bool = False, chunk: int = 1) -> None:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions

@@ -31,7 +31,7 @@ class Hardware:
     compile_step: bool = False
     fused_layers: bool = False
     resident_loop: bool = False
-    resident_chunk: int = 2
+    resident_chunk: int = 1
     mem_bandwidth_gbs: float = 20.0
     peak_tflops: float = 0.2
     kernels: KernelOptions = field(default_factory=KernelOptions)

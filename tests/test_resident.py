@@ -288,8 +288,9 @@ class _ScriptedLoop:
 
     capture = True
 
-    def __init__(self, budget: int, per_step: int) -> None:
+    def __init__(self, budget: int, per_step: int, eos_step: int | None = None) -> None:
         self.budget, self.left, self.per_step = budget, budget, per_step
+        self.eos_step = eos_step      # the row emits EOS in this step (budgets cannot tell)
         self.live_steps, self.launched = 0, []
 
     def mark(self) -> float:
@@ -299,14 +300,14 @@ class _ScriptedLoop:
         assert isinstance(n_steps, int) and n_steps >= 1
         self.launched.append(n_steps)
         for _ in range(n_steps):
-            if self.left > 0:
+            if self.left > 0 and self.live_steps != self.eos_step:
                 self.live_steps += 1
                 self.left -= min(self.per_step, self.left)
 
     def snapshot(self, tag, n_steps: int, start: float) -> Snapshot:
         emitted = self.budget - self.left
         row = [self.live_steps, 0, emitted - self.live_steps, 0, emitted, self.left,
-               int(self.left <= 0), 0]
+               int(self.left <= 0 or self.live_steps == self.eos_step), 0]
         return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)
 
 
@@ -319,3 +320,18 @@ def test_run_chunks_launches_whole_steps_and_few_past_the_end(per_step):
     needed = -(-128 // per_step)
     assert loop.left == 0 and seen[-1]["finished"] == [1]
     assert needed <= sum(loop.launched) <= needed + 2
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_run_chunks_past_an_eos(chunk):
+    """A row that ends at EOS (no budget foretells it) leaves the rest of its chunk and the
+    chunk queued behind it to run past its end: between chunk and 2 chunk - 1 steps, so chunks
+    of 1 (the default) waste one step where chunks of 2 waste two or three."""
+    waste = []
+    for eos_step in range(9, 9 + chunk):
+        loop, seen = _ScriptedLoop(128, 3, eos_step=eos_step), []
+        run_chunks(loop, lambda: (("arm", 1), None), lambda snap, now: seen.append(now), 128,
+                   chunk)
+        assert seen[-1]["finished"] == [1] and loop.live_steps == eos_step
+        waste.append(sum(loop.launched) - eos_step)
+    assert min(waste) == chunk and max(waste) == 2 * chunk - 1

@@ -22,8 +22,11 @@ import argparse
 import json
 import sys
 import time
+import traceback
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashspec.bandits import UCB1
 from flashspec.data import chat_ids, load_prompts
@@ -142,6 +145,38 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
         end.record()
         sync()
         emit(out, check="replay", arm=arm.name, step_ms=round(start.elapsed_time(end) / 50, 4))
+        for (where, op), n in census(lambda: e.resident_loop.step(*key)).most_common():
+            emit(out, check="torch_op", arm=arm.name, where=where, op=op, per_step=n)
+
+
+# aten ops that only make views or allocate: no kernel of their own
+_NO_KERNEL = ("view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze",
+              "squeeze", "t", "transpose", "permute", "as_strided", "alias", "detach", "unbind",
+              "split", "narrow", "empty", "empty_strided", "empty_like", "lift_fresh", "_reshape_alias")
+
+
+def census(step) -> Counter[tuple[str, str]]:
+    """The torch ops one eager call of ``step`` issues on the GPU that launch kernels (Triton
+    kernels are not torch ops and do not appear), each keyed by the innermost flashspec source
+    line that issued it: where a step's small torch kernels come from."""
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _NO_KERNEL:
+                frames = [f for f in traceback.extract_stack() if "/flashspec/" in f.filename]
+                where = (f"{frames[-1].filename.rsplit('/flashspec/', 1)[1]}:{frames[-1].lineno}"
+                         if frames else "?")
+                self.seen[(where, name)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as mode:
+        step()
+    sync()
+    return mode.seen
 
 
 def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
