@@ -14,13 +14,13 @@ row was live: the difference ran past the row's end (EOS or budget) and committe
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 
 import torch
 
 import resident_bench
+from tree_profile import timed
 from flashspec import engine as engine_module
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import NgramDrafter
@@ -49,28 +49,17 @@ def main() -> int:
     engines.pop("ar_ref")
     prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts("humaneval", n=a.n, seed=a.seed)]
     seconds: dict[str, float] = defaultdict(float)
-
-    def timed(name, fn):
-        def run(*args, **kwargs):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            result = fn(*args, **kwargs)
-            torch.cuda.synchronize()
-            seconds[name] += time.perf_counter() - t0
-            return result
-        return run
-
-    engine_module.run_chunks = timed("run_chunks", engine_module.run_chunks)
+    engine_module.run_chunks = timed(seconds, "run_chunks", engine_module.run_chunks)
     for e in engines.values():
         for p in prompts:
             e.generate([p], 2, seed=1)
     for name, e in engines.items():
         loop, launched = e.resident_loop, [0]
-        e._start = timed("_start", e._start)
+        e._start = timed(seconds, "_start", e._start)
         for part in ("load", "tokens", "histogram"):
-            setattr(loop, part, timed(part, getattr(loop, part)))
+            setattr(loop, part, timed(seconds, part, getattr(loop, part)))
         for d in e.drafters:
-            d.resident_start = timed("resident_start", d.resident_start)
+            d.resident_start = timed(seconds, "resident_start", d.resident_start)
         launch = loop.launch
 
         def counted(arm, n_steps, launch=launch, launched=launched):

@@ -156,9 +156,10 @@ _NO_KERNEL = ("view", "_unsafe_view", "reshape", "expand", "slice", "select", "u
 
 
 def census(step) -> Counter[tuple[str, str]]:
-    """The torch ops one eager call of ``step`` issues on the GPU that launch kernels (Triton
-    kernels are not torch ops and do not appear), each keyed by the innermost flashspec source
-    line that issued it: where a step's small torch kernels come from."""
+    """The torch ops one eager call of ``step`` issues, views and allocations left out (Triton
+    kernels are not torch ops and do not appear; an op that turns out a no-op, such as ``to``
+    a tensor's own dtype, is still counted), each keyed by the innermost flashspec source line
+    that issued it: where a step's small torch kernels come from."""
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
