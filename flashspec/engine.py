@@ -488,7 +488,7 @@ class SpecEngine:
                 if r is not None:
                     row.rewards.extend([r] * n)
 
-        run_chunks(loop, choose, observe, max_new_tokens, self.chunk)
+        run_chunks(loop, choose, observe, max_new_tokens, self.chunk, overlap=loop.capture)
         if any(last["bad"]):
             raise FloatingPointError("verify rejected a row: NaN/inf logits or an out-of-range "
                                      "draft token; refusing to emit tokens")

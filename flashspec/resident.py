@@ -20,12 +20,17 @@ streams of the step's seed), the target scores every node in one pass over the w
 (tree attention), the backend's ``verify_tree`` walks it, and the accepted path's K/V entries
 move into place before the commit.
 
-With ``capture`` (CUDA) every arm's step is one CUDA graph, replayed back to back in chunks;
-after each chunk the counters are copied asynchronously into pinned host memory with an event,
-and the host waits on a chunk only once the next one is queued, so the GPU never idles on the
-host. Finished rows commit nothing, so the steps launched past the end change nothing. Policy
-and planner decide per chunk from the counters of an earlier chunk: exactness never depends on
-them. On a CPU the same step runs eagerly (the path the tests compare with the reference loop).
+A step is two halves: :meth:`ResidentLoop.propose` (step 1) and :meth:`ResidentLoop.settle`
+(steps 2 and 3). With ``capture`` (CUDA) each half of an arm that drafts is one CUDA graph (a
+plain target step is one graph), replayed back to back in chunks; after each chunk the counters
+are copied asynchronously into pinned host memory with an event. The host waits on a chunk only
+once the device has work queued behind it, so the GPU never idles on the host: for an arm that
+drafts, the first drafting of the next chunk (:meth:`ResidentLoop.draft_ahead`), otherwise the
+whole next chunk. A row that ends at EOS (no budget foretells it) thus costs one drafting past
+its end where it drafts, one step where it does not. Finished rows commit nothing, so the work
+launched past the end changes nothing. Policy and planner decide per chunk from the counters of
+an earlier chunk: exactness never depends on them. On a CPU the same halves run eagerly (the
+path the tests compare with the reference loop).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
-from flashspec.tree import TreeShape, compact_path, tree_attention
+from flashspec.tree import TreeDraft, TreeShape, compact_path, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
@@ -102,6 +107,32 @@ class DeviceState:
 
 
 @dataclass
+class Proposal:
+    """What a step's drafting hands to its verify: the step's verify seed and its drafts (a
+    chain: ``drafts`` [B, γ], their logits ``q`` and the real drafts per row ``real``; a tree;
+    or nothing, for a plain target step)."""
+
+    seed: torch.Tensor
+    drafts: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+    tree: TreeDraft | None = None
+
+
+@dataclass
+class _Captured:
+    """The CUDA graphs of one arm's step: its drafting (None for a plain target step, whose
+    one graph is the whole step) and its verify + commit; ``proposal``: the drafting graph's
+    output buffers, which the other graph reads; ``signature``: the drafter buffers both were
+    recorded on."""
+
+    draft: torch.cuda.CUDAGraph | None
+    settle: torch.cuda.CUDAGraph
+    proposal: Proposal | None
+    signature: tuple
+
+
+@dataclass
 class Snapshot:
     """Counters after a chunk, copied to pinned host memory; ``wait`` blocks until they landed."""
 
@@ -149,7 +180,8 @@ class ResidentLoop:
         self.rows = torch.arange(batch, device=dev)
         self.cols = torch.arange(gamma_max + 1, device=dev)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.graphs: dict[Hashable, _Captured] = {}
+        self._ahead: tuple[Hashable, Proposal] | None = None   # a drafting queued ahead
         self.capture_s = 0.0
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
@@ -164,17 +196,23 @@ class ResidentLoop:
         s = self.state
         for arm in arms:
             known = self.graphs.get(self._key(arm))
-            if known is not None and known[1] == self._signature():
+            if known is not None and known.signature == self._signature():
                 continue
             s.lengths.fill_(arm[1] + 2)
             s.budgets.fill_(1 << 30)
             s.finished.zero_()
             t0 = time.perf_counter()
-            graph, _ = capture_graph(lambda: self.step(*arm))
-            self.graphs[self._key(arm)] = (graph, self._signature())
+            if drafts(arm):
+                draft, proposal = capture_graph(lambda: self.propose(*arm))
+                draft.replay()    # the verify's warm-up runs read real drafts, not capture garbage
+                settle, _ = capture_graph(lambda: self.settle(proposal, *arm[2:]))
+            else:
+                draft, proposal = None, None
+                settle, _ = capture_graph(lambda: self.step(*arm))
+            self.graphs[self._key(arm)] = _Captured(draft, settle, proposal, self._signature())
             self.capture_s += time.perf_counter() - t0
         if len({self._key(arm) for arm in arms}) > 1:
-            self._prepare_catch_up({arm[0]: None for arm in arms if arm[0] is not None and arm[1]})
+            self._prepare_catch_up({arm[0]: None for arm in arms if drafts(arm)})
 
     def _prepare_catch_up(self, drafters: dict[Drafter, None]) -> None:
         """Capture every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
@@ -200,38 +238,52 @@ class ResidentLoop:
     # ------------------------------------------------------------------ one step
     def step(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None) -> None:
         """One draft → verify → commit step of every row, as device ops only."""
+        self.settle(self.propose(drafter, gamma, tree), tree)
+
+    def propose(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None
+                ) -> Proposal:
+        """The drafting half of a step: γ drafts (or a tree) per row from the committed tokens,
+        drawn from the step's own random stream."""
+        s = self.state
+        seed = rng.mix32((s.seed * rng.GOLDEN + s.calls * rng.MUL_A) & rng.MASK32)
+        if drafter is None or gamma == 0:
+            return Proposal(seed)
+        if tree is not None:
+            return Proposal(seed, tree=drafter.resident_tree(s.tokens, s.lengths, tree,
+                                                             self.params, seed ^ DRAFT_STREAM))
+        drafts, q, real = drafter.resident_draft(s.tokens, s.lengths, gamma, self.params,
+                                                 seed ^ DRAFT_STREAM)
+        return Proposal(seed, drafts, q, real)
+
+    def settle(self, p: Proposal, tree: TreeShape | None = None) -> None:
+        """The verify + commit half of a step (``tree``: the shape of a proposed tree): the
+        target scores the proposal in one pass over its whole cache, the backend accepts, the
+        accepted tokens are committed."""
+        if p.tree is not None:
+            self._settle_tree(tree, p)
+            return
         s, target = self.state, self.target
         lengths = s.lengths
-        verify_seed = rng.mix32((s.seed * rng.GOLDEN + s.calls * rng.MUL_A) & rng.MASK32)
-        if tree is not None and drafter is not None:
-            self._tree_step(drafter, tree, verify_seed)
-            return
-        if drafter is None or gamma == 0:
-            gamma = 0
-            drafts, q, real = lengths.new_zeros(lengths.shape[0], 0), None, None
-        else:
-            drafts, q, real = drafter.resident_draft(s.tokens, lengths, gamma, self.params,
-                                                     verify_seed ^ DRAFT_STREAM)
+        drafts = p.drafts if p.drafts is not None else lengths.new_zeros(lengths.shape[0], 0)
+        gamma = drafts.shape[1]
         last = s.tokens.gather(1, (lengths - 1)[:, None])
         feed = torch.cat([last, drafts], dim=1)
         positions = (lengths - 1)[:, None] + self.cols[:gamma + 1]
         hidden = target.forward_hidden(feed, positions, self.cache)
-        out, n_acc = self.verify(target.logits(hidden), drafts, q, self.params, verify_seed)
+        out, n_acc = self.verify(target.logits(hidden), drafts, p.q, self.params, p.seed)
         self._absorb(hidden, lengths)
-        self._commit(out, n_acc, gamma, real)
+        self._commit(out, n_acc, gamma, p.real)
         s.calls.add_(1)
 
-    def _tree_step(self, drafter: Drafter, shape: TreeShape, verify_seed: torch.Tensor) -> None:
+    def _settle_tree(self, shape: TreeShape, p: Proposal) -> None:
         """A draft tree of every row scored in one target forward over the whole cache (tree
         attention, nodes in their own slots), verified by the backend's ``verify_tree``; the
         accepted path's K/V move into place and its features go to the drafter."""
-        s, lengths, depth = self.state, self.state.lengths, shape.max_depth
-        tree = drafter.resident_tree(s.tokens, lengths, shape, self.params,
-                                     verify_seed ^ DRAFT_STREAM)
+        s, lengths, depth, tree = self.state, self.state.lengths, shape.max_depth, p.tree
         positions, attention = tree_attention(tree, lengths, self.cache.capacity)
         hidden = self.target.forward_hidden(tree.tokens, positions, self.cache, tree=attention)
         out, n_acc, path = self.verify_tree(self.target.logits(hidden), tree, self.params,
-                                            verify_seed, depth=depth)
+                                            p.seed, depth=depth)
         self._absorb(compact_path(self.cache, hidden, path, lengths), lengths)
         self._commit(out, n_acc, depth, None)
         s.calls.add_(1)
@@ -275,34 +327,68 @@ class ResidentLoop:
         """Start a batch (:meth:`DeviceState.load`); the drafters have caught up on the prompts."""
         self.state.load(state, max_new_tokens, seed, calls)
         self.behind = {id(d): 0 for d in self.drafters}
+        self._ahead = None
 
-    def _catch_up(self, arm: StepKey, n_steps: int) -> None:
+    def _catch_up(self, arm: StepKey) -> None:
         """Before a drafter drafts: catch it up over the latest committed tokens its window
-        (the last γ + 1) would miss. A step of γ commits at most γ + 1 tokens per row (a tree of
-        depth D: D + 1; a plain step: 1), which the same drafter's next window covers; a drafter
-        that did not draft a step falls behind by that many."""
-        drafter, gamma = arm[0], arm[1]
-        drafting = drafter if drafter is not None and gamma else None
-        if drafting is not None and self.behind.get(id(drafting), 0) > gamma + 1:
-            width = catch_up_width(self.behind[id(drafting)], self.state.tokens.shape[1] - 1)
-            drafting.resident_catch_up(self.state.tokens, self.state.lengths, width, self.capture)
+        (the last γ + 1) would miss (:meth:`_account` keeps the count)."""
+        if drafts(arm) and self.behind.get(id(arm[0]), 0) > arm[1] + 1:
+            width = catch_up_width(self.behind[id(arm[0])], self.state.tokens.shape[1] - 1)
+            arm[0].resident_catch_up(self.state.tokens, self.state.lengths, width, self.capture)
+
+    def _account(self, arm: StepKey, n_steps: int) -> None:
+        """How far behind each drafter falls in ``n_steps`` steps of ``arm``. A step of γ
+        commits at most γ + 1 tokens per row (a tree of depth D: D + 1; a plain step: 1), which
+        the same drafter's next window covers; a drafter that did not draft a step falls behind
+        by that many."""
+        gamma = arm[1]
+        drafting = arm[0] if drafts(arm) else None
         for d in self.drafters:
             self.behind[id(d)] = (gamma + 1 if d is drafting
                                   else self.behind.get(id(d), 0) + n_steps * (gamma + 1))
 
-    def launch(self, arm: StepKey, n_steps: int) -> None:
-        """Run ``n_steps`` steps of ``arm`` (graph replays when captured), the drafter caught
-        up first where it needs it."""
-        self._catch_up(arm, n_steps)
+    def _captured(self, arm: StepKey) -> _Captured | None:
         entry = self.graphs.get(self._key(arm))
-        if entry is not None and entry[1] != self._signature():
+        if entry is not None and entry.signature != self._signature():
             raise FlashSpecError("a drafter reallocated its buffers after its resident step was "
                                  "captured; build the engine again for the new batch shape")
-        for _ in range(n_steps):
+        return entry
+
+    def _propose(self, arm: StepKey, entry: _Captured | None) -> Proposal:
+        if entry is None:
+            return self.propose(*arm)
+        entry.draft.replay()
+        return entry.proposal
+
+    def draft_ahead(self, arm: StepKey) -> None:
+        """Queue the drafting of the next step of ``arm`` (an arm that drafts), its drafter
+        caught up first; the next :meth:`launch` must be of ``arm`` and starts with the verify.
+        The host queues it before it waits on the chunk in flight: the device has work while
+        the host reads the counters, and if that chunk ended every row only the drafting ran
+        for nothing."""
+        if self._ahead is not None:
+            raise FlashSpecError("a drafting is already queued ahead")
+        self._catch_up(arm)
+        self._ahead = (self._key(arm), self._propose(arm, self._captured(arm)))
+
+    def launch(self, arm: StepKey, n_steps: int) -> None:
+        """Run ``n_steps`` steps of ``arm`` (graph replays when captured), the drafter caught
+        up first where it needs it; the first drafting is skipped when it was queued ahead."""
+        entry, ahead, self._ahead = self._captured(arm), self._ahead, None
+        if ahead is not None and ahead[0] != self._key(arm):
+            raise FlashSpecError("the drafting queued ahead is of another arm than the launch")
+        if ahead is None:
+            self._catch_up(arm)
+        self._account(arm, n_steps)
+        for i in range(n_steps):
+            if entry is not None and entry.draft is None:
+                entry.settle.replay()           # a plain target step: one graph
+                continue
+            p = ahead[1] if i == 0 and ahead is not None else self._propose(arm, entry)
             if entry is not None:
-                entry[0].replay()
+                entry.settle.replay()
             else:
-                self.step(*arm)
+                self.settle(p, *arm[2:])
 
     def mark(self) -> torch.cuda.Event | float:
         """A point in time on the device's stream (the start of a chunk)."""
@@ -330,6 +416,11 @@ class ResidentLoop:
         return self.state.hist.tolist()
 
 
+def drafts(arm: StepKey) -> bool:
+    """Whether a step of ``arm`` drafts (a plain target step does not)."""
+    return arm[0] is not None and arm[1] > 0
+
+
 def catch_up_width(behind: int, top: int) -> int:
     """The catch-up window of a drafter ``behind`` tokens behind (> γ + 1 >= 2): the next power
     of two, at most the ``top`` committed tokens a row can hold (one graph per width)."""
@@ -352,34 +443,42 @@ def steps_left(counters: dict[str, list[int]]) -> int:
     return int(-(-max(live) // max(per_step, 1.0)))
 
 
-def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) -> None:
+def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int,
+               overlap: bool) -> None:
     """Launch chunks of up to ``chunk`` steps until every row finished (or ``max_steps`` ran).
 
     ``choose()`` gives (the arm of the next chunk, a tag kept in its snapshot);
-    ``observe(snapshot, counters)`` hears each chunk's counters. The host waits on a chunk only
-    after queueing the next one, so decisions take effect one chunk late and the device never
-    waits for the host. Near the end chunks shrink to the steps the budgets still need, and
-    when the steps in flight should suffice the host launches nothing until it has read them:
-    a step past the last row's end commits nothing but costs a whole step, a short wait for
-    the host costs less.
+    ``observe(snapshot, counters)`` hears each chunk's counters. With ``overlap`` (a captured
+    loop: the device runs ahead of the host) the host waits on a chunk only once the device has
+    work queued behind it: the first drafting of the next chunk where its arm drafts (a row's
+    end then costs only that drafting past it), else the whole next chunk; decisions then take
+    effect a chunk late and the device never waits for the host. Without it (an eager loop)
+    each chunk is read before the next is chosen. Near the end chunks shrink to the steps the
+    budgets still need, and when the steps in flight should suffice the host queues nothing
+    until it has read them: work past the last row's end commits nothing but costs its time, a
+    short wait for the host costs less.
     """
     pending: deque[Snapshot] = deque()
     launched, known = 0, None      # known: the counters of the last chunk the host has read
     read_at = 0                    # steps launched when that chunk was
     arm, tag = choose()
+    ahead = None                   # (arm, tag, start) of the next chunk, its drafting queued
     while launched < max_steps or pending:
         n = min(chunk, max_steps - launched)
         if known is not None:
             n = min(n, steps_left(known) - (launched - read_at))
-        if launched < max_steps and (n > 0 or not pending):
-            n = max(n, 1)
-            start = loop.mark()
-            loop.launch(arm, n)
-            launched += n
-            pending.append(loop.snapshot(tag, n, start))
-            pending[-1].launched = launched
-            if loop.capture and len(pending) < 2 and launched < max_steps:
-                continue          # keep one chunk queued ahead of the one the host waits on
+        if launched < max_steps and not pending:
+            run, run_tag, start = ahead if ahead is not None else (arm, tag, loop.mark())
+            ahead = None
+            launched += _launch(loop, pending, run, run_tag, max(n, 1), start, launched)
+            if overlap:
+                continue          # queue the work that goes behind it, then wait
+        elif launched < max_steps and overlap and len(pending) < 2 and n > 0:
+            if drafts(arm):
+                ahead = (arm, tag, loop.mark())
+                loop.draft_ahead(arm)
+            else:
+                launched += _launch(loop, pending, arm, tag, n, loop.mark(), launched)
         snap = pending.popleft()
         known, read_at = snap.wait(), snap.launched
         observe(snap, known)
@@ -389,3 +488,12 @@ def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int) 
     while pending:
         snap = pending.popleft()
         observe(snap, snap.wait())
+
+
+def _launch(loop: ResidentLoop, pending: deque[Snapshot], arm: StepKey, tag: object, n: int,
+            start, launched: int) -> int:
+    """Launch a chunk of ``n`` steps and queue its snapshot; the steps launched."""
+    loop.launch(arm, n)
+    pending.append(loop.snapshot(tag, n, start))
+    pending[-1].launched = launched + n
+    return n

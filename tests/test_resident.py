@@ -23,6 +23,7 @@ from flashspec.planner import WidthPlanner
 from flashspec.resident import Snapshot, catch_up_width, catch_up_widths, run_chunks
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
+from conftest import drive_as_on_a_gpu
 from test_exactness_engine import EAGLE
 
 TEXTS = ["def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -164,17 +165,18 @@ def test_resident_bandit_and_planner_keep_greedy_output(small, drafters, eos):
 
 
 class Cycle(Policy):
-    """Plays arm 0 for ``run`` steps, then arm 1, ... (a fixed schedule, no learning)."""
+    """Plays arm 0 for ``run`` steps (``run + lead`` the first time), then arm 1, ... (a fixed
+    schedule, no learning)."""
 
     name = "cycle"
     learns = False
 
-    def __init__(self, n_arms: int, run: int) -> None:
+    def __init__(self, n_arms: int, run: int, lead: int = 0) -> None:
         super().__init__(n_arms)
-        self.run, self.calls = run, 0
+        self.run, self.lead, self.calls = run, lead, 0
 
     def select_many(self, context=None) -> np.ndarray:
-        arm = (self.calls // self.run) % self.n_arms
+        arm = (max(self.calls - self.lead, 0) // self.run) % self.n_arms
         self.calls += 1
         return np.array([arm])
 
@@ -210,6 +212,52 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
            [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+@pytest.mark.parametrize("name,gamma", [("eagle", 3), ("ngram", 4)])
+def test_drafting_ahead_equals_reference_loop(small, drafters, eos, overlapped, name, gamma):
+    """Driven as on a GPU (each chunk's first drafting queued ahead of the host's read), a
+    resident run gives the reference loop's tokens and, for a model drafter, its steps,
+    accepted counts and histograms: the drafting of a step only moved before the host's wait."""
+    model, prompts = small
+    arms = [Arm(drafters[name], gamma)]
+    ref = run(model, prompts, arms, eos)
+    for chunk in (1, 3):
+        got = run(model, prompts, arms, eos, resident=True, chunk=chunk)
+        assert [r.tokens for r in got] == [r.tokens for r in ref]
+        if name != "ngram":
+            assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+                   [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+@pytest.mark.parametrize("name", ["eagle", "skip"])
+def test_drafting_ahead_catches_drafters_up(smol, monkeypatch, name):
+    """Driven as on a GPU, the policy's choices take effect a chunk late (the second chunk
+    repeats the first choice), and a drafter's catch-up runs before a drafting queued ahead:
+    switching between plain steps and chains of several γ gives the reference loop's tokens,
+    steps, accepted counts and histograms under the same schedule, with the catch-ups of the
+    eager resident loop (over the same windows)."""
+    model, prompts, drafters = smol
+    drafter = drafters[name]
+    arms = [Arm(None, 0), Arm(drafter, 4), Arm(drafter, 1), Arm(drafter, 3)]
+    widths: dict[str, list[int]] = {"eager": [], "ahead": []}
+    catch_up = drafter.resident_catch_up
+    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), 3, lead=1))
+    assert sum(r.n_accepted for r in ref) > 10
+    try:
+        for mode, lead in (("eager", 1), ("ahead", 0)):
+            if mode == "ahead":
+                drive_as_on_a_gpu(monkeypatch)
+            drafter.resident_catch_up = lambda *a, _w=widths[mode], **k: (_w.append(a[2]),
+                                                                         catch_up(*a, **k))[1]
+            got = run(model, prompts, arms, [], policy=Cycle(len(arms), 3, lead=lead),
+                      resident=True, chunk=1)
+            assert [r.arms for r in got] == [r.arms for r in ref]
+            assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+                   [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
+    finally:
+        del drafter.resident_catch_up
+    assert widths["ahead"] == widths["eager"] and len(widths["eager"]) >= 2
 
 
 def test_prepare_catch_up_runs_each_window_once(smol):
@@ -286,18 +334,23 @@ class _ScriptedLoop:
     """The driving surface of a captured ResidentLoop (one row emitting ``per_step`` tokens a
     step up to its budget), to check run_chunks' schedule without a GPU."""
 
-    capture = True
-
     def __init__(self, budget: int, per_step: int, eos_step: int | None = None) -> None:
         self.budget, self.left, self.per_step = budget, budget, per_step
         self.eos_step = eos_step      # the row emits EOS in this step (budgets cannot tell)
-        self.live_steps, self.launched = 0, []
+        self.live_steps, self.launched, self.drafted_ahead = 0, [], 0
+        self.ahead = None
 
     def mark(self) -> float:
         return 0.0
 
+    def draft_ahead(self, arm) -> None:
+        assert self.ahead is None
+        self.ahead, self.drafted_ahead = arm, self.drafted_ahead + 1
+
     def launch(self, arm, n_steps: int) -> None:
         assert isinstance(n_steps, int) and n_steps >= 1
+        assert self.ahead in (None, arm)
+        self.ahead = None
         self.launched.append(n_steps)
         for _ in range(n_steps):
             if self.left > 0 and self.live_steps != self.eos_step:
@@ -311,12 +364,17 @@ class _ScriptedLoop:
         return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)
 
 
+DRAFTING, PLAIN = ("drafter", 1), (None, 0)
+
+
+@pytest.mark.parametrize("arm", [DRAFTING, PLAIN])
 @pytest.mark.parametrize("per_step", [1, 3, 5])
-def test_run_chunks_launches_whole_steps_and_few_past_the_end(per_step):
+def test_run_chunks_launches_whole_steps_and_few_past_the_end(per_step, arm):
     """Chunks are whole step counts, and with the host a chunk behind, at most one chunk of
     steps runs past the row's end."""
     loop, seen = _ScriptedLoop(128, per_step), []
-    run_chunks(loop, lambda: (("arm", 1), None), lambda snap, now: seen.append(now), 128, 2)
+    run_chunks(loop, lambda: (arm, None), lambda snap, now: seen.append(now), 128, 2,
+               overlap=True)
     needed = -(-128 // per_step)
     assert loop.left == 0 and seen[-1]["finished"] == [1]
     assert needed <= sum(loop.launched) <= needed + 2
@@ -324,14 +382,18 @@ def test_run_chunks_launches_whole_steps_and_few_past_the_end(per_step):
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 def test_run_chunks_past_an_eos(chunk):
-    """A row that ends at EOS (no budget foretells it) leaves the rest of its chunk and the
-    chunk queued behind it to run past its end: between chunk and 2 chunk - 1 steps, so chunks
-    of 1 (the default) waste one step where chunks of 2 waste two or three."""
-    waste = []
-    for eos_step in range(9, 9 + chunk):
-        loop, seen = _ScriptedLoop(128, 3, eos_step=eos_step), []
-        run_chunks(loop, lambda: (("arm", 1), None), lambda snap, now: seen.append(now), 128,
-                   chunk)
-        assert seen[-1]["finished"] == [1] and loop.live_steps == eos_step
-        waste.append(sum(loop.launched) - eos_step)
-    assert min(waste) == chunk and max(waste) == 2 * chunk - 1
+    """A row that ends at EOS (no budget foretells it) leaves the rest of its chunk to run past
+    its end, and then the work queued behind it: for an arm that drafts, the first drafting of
+    the next chunk (so chunks of 1, the default, waste no verify step); for a plain target
+    step, the whole next chunk (between chunk and 2 chunk - 1 steps)."""
+    for arm, fewest, most in ((DRAFTING, 0, chunk - 1), (PLAIN, chunk, 2 * chunk - 1)):
+        waste = []
+        for eos_step in range(9, 9 + chunk):
+            loop, seen = _ScriptedLoop(128, 3, eos_step=eos_step), []
+            run_chunks(loop, lambda: (arm, None), lambda snap, now: seen.append(now), 128,
+                       chunk, overlap=True)
+            assert seen[-1]["finished"] == [1] and loop.live_steps == eos_step
+            waste.append(sum(loop.launched) - eos_step)
+            # every chunk but the first had its drafting queued ahead, and one more ran past
+            assert loop.drafted_ahead == (len(loop.launched) if arm is DRAFTING else 0)
+        assert min(waste) == fewest and max(waste) == most

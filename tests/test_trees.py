@@ -245,6 +245,23 @@ def test_resident_tree_equals_reference_loop(smol, spec) -> None:
                [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
 
 
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_tree_drafted_ahead_equals_reference_loop(smol, overlapped, chunk) -> None:
+    """Driven as on a GPU (each chunk's first tree drafted before the host reads the chunk in
+    flight), a resident tree arm gives the reference loop's tokens, steps, accepted counts and
+    histograms, an EOS inside accepted runs included."""
+    model, tok, prompts, eagle = smol
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    arms = [Arm.of_tree(eagle, TreeShape.parse("dyn12"))]
+    ref = SpecEngine(model, arms, eos_ids=eos).generate(prompts, 37).rows
+    engine = SpecEngine(model, arms, eos_ids=eos, resident=True, chunk=chunk)
+    engine.min_capacity = 256
+    got = engine.generate(prompts, 37).rows
+    assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+           [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
 def test_resident_sampled_and_planned_trees(smol) -> None:
     """Sampled trees draw children from counter-based streams of the step's seed: a resident
     run does not depend on its chunking. With the planner a tree arm is all or nothing, and

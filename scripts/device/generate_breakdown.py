@@ -7,6 +7,8 @@ Each part is timed with host timers around a device sync (the prefill ``_start``
 ``--n`` HumanEval prompts drawn with ``--seed``, after a warm-up of every engine on every
 prompt. ``launched`` counts the steps the host launched per call, ``steps`` those in which the
 row was live: the difference ran past the row's end (EOS or budget) and committed nothing.
+``drafted_ahead``: the draftings queued ahead of the host's wait (one per chunk after the
+first, and one past the end when a row ends at EOS).
 ``dead_step_us``: what a step costs once every row has finished.
 
     python scripts/device/generate_breakdown.py --gguf /dev/shm/smol.gguf [--seed 4747] [--out F]
@@ -54,7 +56,7 @@ def main() -> int:
         for p in prompts:
             e.generate([p], 2, seed=1)
     for name, e in engines.items():
-        loop, launched = e.resident_loop, [0]
+        loop, launched, ahead = e.resident_loop, [0], [0]
         e._start = timed(seconds, "_start", e._start)
         for part in ("load", "tokens", "histogram"):
             setattr(loop, part, timed(seconds, part, getattr(loop, part)))
@@ -67,9 +69,16 @@ def main() -> int:
             return launch(arm, n_steps)
 
         loop.launch = counted
+        draft_ahead = loop.draft_ahead
+
+        def counted_ahead(arm, draft_ahead=draft_ahead, ahead=ahead):
+            ahead[0] += 1
+            return draft_ahead(arm)
+
+        loop.draft_ahead = counted_ahead
         e.generate([prompts[0]], a.new, seed=1)
         seconds.clear()
-        launched[0] = 0
+        launched[0] = ahead[0] = 0
         total, tokens, steps = 0.0, 0, 0
         for i, p in enumerate(prompts):
             torch.cuda.synchronize()
@@ -90,6 +99,7 @@ def main() -> int:
         resident_bench.emit(out, check="breakdown", method=name, chunk=e.chunk,
                             ms_per_call=round(1e3 * total / n, 3), tokens=tokens / n,
                             steps=steps / n, launched=launched[0] / n,
+                            drafted_ahead=ahead[0] / n,
                             parts_ms={k: round(1e3 * v / n, 3) for k, v in seconds.items()},
                             dead_step_us=round(dead_us, 1))
     return 0

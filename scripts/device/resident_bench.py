@@ -145,6 +145,15 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
         end.record()
         sync()
         emit(out, check="replay", arm=arm.name, step_ms=round(start.elapsed_time(end) / 50, 4))
+        graphs = e.resident_loop.graphs[e.resident_loop._key(key)]
+        if graphs.draft is not None:     # the drafting half alone: what a step past the end costs
+            start.record()
+            for _ in range(50):
+                graphs.draft.replay()
+            end.record()
+            sync()
+            emit(out, check="replay_drafting", arm=arm.name,
+                 draft_ms=round(start.elapsed_time(end) / 50, 4))
         for (where, op), n in census(lambda: e.resident_loop.step(*key)).most_common():
             emit(out, check="torch_op", arm=arm.name, where=where, op=op, per_step=n)
 
