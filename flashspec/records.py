@@ -2,6 +2,7 @@
 resume check, and a thin W&B wrapper."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -161,11 +162,13 @@ def repair_tail(path: str | Path) -> bool:
 def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a JSONL file. A line that is not one JSON object is reported (file and line
     number), never dropped silently: a torn record followed by a whole one on the same line (an
-    old writer appended after a crash) yields the whole one; a torn last line is skipped."""
+    old writer appended after a crash) yields the whole one; a torn last line is skipped.
+    A ``.gz`` file is read through gzip (committed records too large to keep raw)."""
     path = Path(path)
     if not path.exists():
         return
-    with path.open(encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
+          else path.open(encoding="utf-8")) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -57,6 +57,17 @@ def test_merged_line_is_reported_and_its_whole_record_kept(tmp_path, caplog):
     assert f"{path} line 2" in caplog.text and f"{path} line 3" in caplog.text
 
 
+def test_gzipped_records_read_like_plain_ones(tmp_path):
+    """Committed records too large to keep raw are stored as .jsonl.gz and read the same."""
+    import gzip
+    lines = "".join(json.dumps({"k": k}) + "\n" for k in range(3))
+    (tmp_path / "r.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "r.jsonl.gz", "wt") as f:
+        f.write(lines)
+    assert list(read_records(tmp_path / "r.jsonl.gz")) == list(read_records(tmp_path / "r.jsonl"))
+    assert [r["k"] for r in read_records(tmp_path / "r.jsonl.gz")] == [0, 1, 2]
+
+
 def test_a_failed_write_leaves_no_partial_line(tmp_path):
     path = tmp_path / "r.jsonl"
     writer = RecordWriter(path)
