@@ -282,9 +282,19 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     ids, as :class:`TreeAttention` takes them). A dynamic tree then keeps its ``nodes`` best
     candidates, renumbered in drafting order. The kept set is closed under ancestors and under
     earlier siblings (a sampled sibling was drawn without the ones before it): a node's rank is
-    the minimum score of itself and its earlier siblings, never above its parent's; ties go to
-    the earlier node. ``fused`` (default: on a GPU): the bookkeeping of each depth and the final
-    choice run as single Triton kernels (:mod:`flashspec.tree_kernels`), with the same result."""
+    never above its parent's or an earlier sibling's; ties go to the earlier node.
+
+    The rank that chooses nodes (the frontier and the final ``nodes``): greedy, EAGLE-2's
+    cumulative draft log-probability of the node itself (the tree is a function of the prefix,
+    so any choice is exact). Sampling, it must not look at the node's own draw: verification
+    tests sibling k only when siblings 1..k-1 were rejected, and keeping a drawn sibling for a
+    high draft probability of its own token biases the output toward such tokens (the dynamic
+    tree gate in tests/test_exactness_tree.py fails that way). So a sampled dynamic tree ranks
+    the k-th child of v by what is known before it is drawn: v's cumulative log q plus the log
+    of the draft mass its earlier siblings left, ``log(1 - q(c_1) - ... - q(c_{k-1}))``; v's
+    own cumulative score still ranks v's children. ``fused`` (default: on a GPU): the
+    bookkeeping of each depth and the final choice run as single Triton kernels
+    (:mod:`flashspec.tree_kernels`), with the same result."""
     batch, dev = root_logits.shape[0], root_logits.device
     fused = root_logits.is_cuda if fused is None else fused
     m = shape.candidates
@@ -305,6 +315,8 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         bits[..., 0] = 1                                               # every node: the root
         tokens[:, 0] = root_tokens
     sampled = not params.greedy
+    # a sampled dynamic tree: the drawn nodes' own cumulative log q, apart from their rank
+    path = (torch.zeros(batch, m + 1, device=dev) if sampled and shape.nodes else None)
     raw = (torch.zeros(batch, m + 1, root_logits.shape[-1], dtype=root_logits.dtype, device=dev)
            if sampled else None)
     frontier = (torch.zeros(batch, 1, dtype=torch.long, device=dev)
@@ -320,7 +332,8 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         nxt = shape.top_k if shape.nodes and n_new > shape.top_k else n_new
         first = {"root": root_tokens} if fused and d == 1 else {}   # the kernel writes it
         frontier, f_tok, f_par, f_bits = grow_depth(tok, lp, frontier, tokens, parents, depth,
-                                                    score, bits, used, d, nxt, **first)
+                                                    score, bits, used, d, nxt, path=path,
+                                                    **first)
         used += n_new
         if d < shape.max_depth:
             logits = expand(frontier, f_tok, f_par, d, f_bits)
@@ -336,11 +349,14 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
 
 def _grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,
                 tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
-                score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int
+                score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int,
+                path: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Record the children ``tok``, ``lp`` [B, f, k] of ``frontier`` [B, f] as nodes
     ``used .. used + f k - 1`` at depth ``d`` (in place: tokens, parents, depth, score, bits),
-    and return the next frontier (ids, tokens, parents, bits): its ``nxt`` best new nodes."""
+    and return the next frontier (ids, tokens, parents, bits): its ``nxt`` best new nodes.
+    ``score`` is the rank; ``path`` (sampled dynamic trees, see :func:`grow_tree`), when given,
+    the nodes' own cumulative log q, and the rank then looks only at earlier siblings' draws."""
     batch, f, k = tok.shape
     rows = torch.arange(batch, device=tok.device)[:, None]
     n_new = f * k
@@ -349,7 +365,17 @@ def _grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,
     tokens[:, new] = tok.reshape(batch, -1)
     parents[:, new] = par
     depth[:, new] = d
-    own = score[rows, frontier][..., None] + lp.float()
+    above = score[rows, frontier][..., None]                           # the parents' ranks
+    if path is None:
+        own = above + lp.float()
+    else:
+        mine = path[rows, frontier][..., None]
+        q = lp.float().exp()
+        before = torch.zeros_like(q)            # the earlier siblings' q, summed first to last
+        for j in range(1, q.shape[-1]):
+            before[..., j] = before[..., j - 1] + q[..., j - 1]
+        own = torch.minimum(above, mine + torch.log((1 - before).clamp(min=0)))
+        path[:, new] = (mine + lp.float()).reshape(batch, -1)
     score[:, new] = torch.cummin(own, dim=-1).values.reshape(batch, -1)
     bits[:, new] = bits[rows, par] | own_bits(used, n_new, bits.shape[-1], tok.device)
     ids = torch.arange(used, used + n_new, device=tok.device).expand(batch, -1)

@@ -6,7 +6,9 @@ scores, ancestor bitmasks, the next frontier and its gathers) is about thirty sm
 and a dynamic tree's final selection and renumbering twenty more. A dyn10d5k2 step on an H200
 ran 730 kernels against a chain's 460, and at this model size a step's time follows its kernel
 count. Here each is a single launch. The results equal the torch path's exactly (same float32
-sums and minima; ties go to the smaller node id, as a stable descending sort gives).
+sums and minima; ties go to the smaller node id, as a stable descending sort gives), except
+that a sampled dynamic tree's ranks take an exp and a log, which a GPU may round differently
+from torch (interpreted on the CPU they agree).
 """
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ def _bit(node, w: tl.constexpr):
 
 @triton.jit
 def _depth_kernel(tok_ptr, lp_ptr, front_ptr, root_ptr, tokens_ptr, parents_ptr, depth_ptr,
-                  score_ptr, bits_ptr, next_ptr, ntok_ptr, npar_ptr, nbits_ptr, M1, used, d,
-                  F: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, NEXT: tl.constexpr,
-                  NEXTP: tl.constexpr, SELECT: tl.constexpr, W: tl.constexpr,
-                  ROOT: tl.constexpr):
+                  score_ptr, path_ptr, bits_ptr, next_ptr, ntok_ptr, npar_ptr, nbits_ptr, M1,
+                  used, d, F: tl.constexpr, K: tl.constexpr, NP: tl.constexpr,
+                  NEXT: tl.constexpr, NEXTP: tl.constexpr, SELECT: tl.constexpr,
+                  W: tl.constexpr, ROOT: tl.constexpr, PATH: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, NP)                      # new node c = (frontier slot i, child j)
     live = c < F * K
@@ -47,11 +49,22 @@ def _depth_kernel(tok_ptr, lp_ptr, front_ptr, root_ptr, tokens_ptr, parents_ptr,
         par = tl.load(front_ptr + b * F + i, mask=live, other=0)
     pscore = tl.load(score_ptr + b * M1 + par, mask=live, other=0.0)
     row_lp = lp_ptr + b * (F * K)
-    score = pscore + tl.load(row_lp + c, mask=live, other=0.0)
-    for s in tl.static_range(1, K):           # cummin over earlier siblings
-        earlier = live & (j >= s)
-        prev = pscore + tl.load(row_lp + c - s, mask=earlier, other=0.0)
-        score = tl.where(earlier, tl.minimum(score, prev), score)
+    own_lp = tl.load(row_lp + c, mask=live, other=0.0)
+    if PATH:         # sampled dynamic tree: rank by the draft mass earlier siblings left
+        ppath = tl.load(path_ptr + b * M1 + par, mask=live, other=0.0)
+        before = tl.zeros([NP], tl.float32)
+        for t in tl.static_range(1, K):       # q of the earlier siblings, first to last
+            s = K - t
+            earlier = live & (j >= s)
+            before += tl.where(earlier, tl.exp(tl.load(row_lp + c - s, mask=earlier, other=0.0)), 0.0)
+        score = tl.minimum(pscore, ppath + tl.log(tl.maximum(1.0 - before, 0.0)))
+        tl.store(path_ptr + b * M1 + used + c, ppath + own_lp, mask=live)
+    else:
+        score = pscore + own_lp
+        for s in tl.static_range(1, K):       # cummin over earlier siblings
+            earlier = live & (j >= s)
+            prev = pscore + tl.load(row_lp + c - s, mask=earlier, other=0.0)
+            score = tl.where(earlier, tl.minimum(score, prev), score)
     node = used + c
     tok = tl.load(tok_ptr + b * (F * K) + c, mask=live, other=0)
     tl.store(tokens_ptr + b * M1 + node, tok, mask=live)
@@ -129,9 +142,10 @@ def _keep_kernel(tokens_ptr, parents_ptr, depth_ptr, score_ptr, ren_ptr, keep_pt
 def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor | None,
                tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
                score: torch.Tensor, bits: torch.Tensor, used: int, d: int, nxt: int,
-               root: torch.Tensor | None = None
+               root: torch.Tensor | None = None, path: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One depth of growth (see :func:`flashspec.tree._grow_depth`, the torch form). ``root``
+    """One depth of growth (see :func:`flashspec.tree._grow_depth`, the torch form; ``path``
+    as there: a sampled dynamic tree's own cumulative log q, in place). ``root``
     [B] (the first depth; ``frontier`` is then ignored, the root is the only parent): the root
     tokens; the kernel also writes the root's row (node 0), so the buffers need no
     initialisation."""
@@ -147,10 +161,11 @@ def grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor | Non
         _depth_kernel[(batch,)](tok.contiguous(), lp.float().contiguous(),
                                 tok if first else frontier.contiguous(),
                                 root.contiguous() if first else tok,
-                                tokens, parents, depth, score, bits, nxt_ids, ntok, npar, nbits,
-                                m1, used, d, F=f, K=k, NP=triton.next_power_of_2(f * k),
+                                tokens, parents, depth, score,
+                                score if path is None else path, bits, nxt_ids, ntok, npar,
+                                nbits, m1, used, d, F=f, K=k, NP=triton.next_power_of_2(f * k),
                                 NEXT=nxt, NEXTP=triton.next_power_of_2(nxt),
-                                SELECT=nxt < f * k, W=words, ROOT=first)
+                                SELECT=nxt < f * k, W=words, ROOT=first, PATH=path is not None)
     return nxt_ids, ntok, npar, nbits
 
 

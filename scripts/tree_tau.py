@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--source", default="smollm2")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_model(args.source, dtype=args.dtype, device=args.device)
@@ -58,7 +59,7 @@ def main() -> None:
     kw = dict(eos_ids=eos, graphs=cuda, backend="triton" if cuda else "torch")
     for dataset in ("humaneval", "mtbench"):
         prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts(dataset, n=args.n, seed=args.seed)]
-        for temperature in (0.0, 1.0):
+        for temperature in (float(t) for t in args.temperatures.split(",")):
             params = SamplingParams(temperature)
             ar, ar_tps = None, None
             for arm in [Arm(None, 0)] + arms:

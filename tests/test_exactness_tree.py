@@ -7,6 +7,11 @@ The fused Triton kernel (flashspec.verify.triton_tree) passes the same gate at T
 one-hot and sampled siblings (it fuses temperature only; warps fall back to the reference).
 Power: the same gate fails when the sibling residual update is planted wrong (a rejected
 sibling's token stays in the residual) and when the bonus token ignores the accepted node.
+
+Dynamic trees (EAGLE-2's growth and choice of nodes, :func:`flashspec.tree.grow_tree`) pass
+the same gate with sampled siblings. They fail it when a drawn sibling is ranked by its own
+draft probability (EAGLE-2's score, which the product uses only when greedy): that keeps
+likely-looking draws and biases the output toward them.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ if not torch.cuda.is_available():
 
 from exactness.stats import exact_target_probs, gate, sample_reference  # noqa: E402
 from exactness.tables import make_draft, make_target  # noqa: E402
-from exactness.tree_harness import tree_speculative_sample  # noqa: E402
+from exactness.tree_harness import (dynamic_tree_speculative_sample,  # noqa: E402
+                                    tree_speculative_sample)
+import flashspec.tree as tree_growth  # noqa: E402
 from flashspec.tree import TreeDraft  # noqa: E402
 from flashspec.verify import SamplingParams  # noqa: E402
 from flashspec.verify import tree as tree_verify  # noqa: E402
@@ -77,6 +84,40 @@ def test_tree_gate_fails_when_rejected_siblings_stay_in_the_residual(monkeypatch
     monkeypatch.setattr(tree_verify, "drop_rejected", lambda w, q, rows, tokens: None)
     result, run = run_tree_gate(*case, tree_verify.verify_tree)
     print(f"\n[tree gate] planted sibling-residual bug: {result.summary()}")
+    assert not result.passed, result.summary()
+
+
+DYNAMIC = [(1.0, "dyn15d6k4", 0.8), (1.0, "dyn5d4k3", 0.8), (0.7, "dyn6d3k3", 0.9)]
+
+
+def run_dynamic_gate(temperature, spec, overlap, seed=2):
+    target, z = make_target(VOCAB, LENGTH + 12, seed=seed)
+    draft = make_draft(z, overlap, seed=seed + 1)
+    params = SamplingParams(temperature)
+    run = dynamic_tree_speculative_sample(target, draft, spec, params, N_ROWS, LENGTH,
+                                          tree_verify.verify_tree, seed)
+    probs = exact_target_probs(target[:LENGTH], temperature)
+    return gate(run.tokens, sample_reference(probs, N_ROWS, seed + 12345), probs), run
+
+
+@pytest.mark.parametrize("case", DYNAMIC, ids=lambda c: f"T{c[0]}-{c[1]}")
+def test_dynamic_tree_gate_passes(case) -> None:
+    result, run = run_dynamic_gate(*case)
+    print(f"\n[dynamic tree gate] {case}: alpha={run.alpha:.3f} {result.summary()}")
+    assert 0 < run.alpha < 1
+    assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("case", DYNAMIC[:2], ids=lambda c: f"T{c[0]}-{c[1]}")
+def test_dynamic_tree_gate_fails_when_draws_are_ranked_by_their_own_probability(monkeypatch,
+                                                                                case) -> None:
+    """Planted bug (what this code did before): a sampled dynamic tree ranks each drawn node
+    by its own cumulative draft log-probability, as EAGLE-2 does when greedy."""
+    real = tree_growth._grow_depth
+    monkeypatch.setattr(tree_growth, "_grow_depth",
+                        lambda *args, path=None, **kw: real(*args, **kw))
+    result, _ = run_dynamic_gate(*case)
+    print(f"\n[dynamic tree gate] planted own-score rank: {result.summary()}")
     assert not result.passed, result.summary()
 
 

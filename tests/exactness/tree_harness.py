@@ -87,3 +87,36 @@ def tree_positions_needed(length: int, branching: tuple[int, ...]) -> int:
 
 def n_nodes(branching: tuple[int, ...]) -> int:
     return sum(math.prod(branching[:d + 1]) for d in range(len(branching)))
+
+
+def dynamic_tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor, spec: str,
+                                    params: SamplingParams, n_rows: int, length: int,
+                                    verify_fn, seed: int) -> SpecRun:
+    """As :func:`tree_speculative_sample` with a dynamic tree grown by
+    :func:`flashspec.tree.grow_tree` (the product's growth and choice of nodes): the drafter
+    at depth d reads the draft table at the row's position + d, children are drawn without
+    replacement from q = warp(table) (torch generator), and their draft logits go to verify."""
+    from flashspec.tree import TreeShape, grow_tree
+    shape = TreeShape.parse(spec)
+    gen = torch.Generator().manual_seed(seed + 99)
+    lengths = torch.zeros(n_rows, dtype=torch.long)
+    run = SpecRun(tokens=np.full((n_rows, length), -1, dtype=np.int64))
+    while (rows := (lengths < length).nonzero().squeeze(1)).numel():
+        pos = lengths[rows]
+
+        def expand(ids, toks, parents, d, bits):
+            return draft[(pos + d)[:, None].expand_as(ids)]
+        tree = grow_tree(draft[pos], torch.zeros_like(pos), shape, expand, params, gen,
+                         fused=False)
+        out, n_acc, _ = verify_fn(target[pos[:, None] + tree.depth], tree, params,
+                                  rng.call_seed(seed, run.calls))
+        run.calls += 1
+        j = torch.arange(out.shape[1])[None]
+        at = pos[:, None] + j
+        keep = (j <= n_acc[:, None]) & (at < length)
+        r = rows[:, None].expand_as(at)[keep].numpy()
+        run.tokens[r, at[keep].numpy()] = out[keep].numpy()
+        lengths[rows] += n_acc + 1
+        run.proposed += shape.max_depth * len(rows)
+        run.accepted += int(n_acc.sum())
+    return run
