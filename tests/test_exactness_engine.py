@@ -86,7 +86,7 @@ def arms_for(model, kind: str) -> list[Arm]:
         return [Arm(eagle, 2)]
     if kind == "eagletree":  # the same drafter as a chain and as a draft tree, under a bandit
         eagle = arms_for(model, "eagle")[0].drafter
-        return [Arm(eagle, 2), Arm.of_tree(eagle, TreeShape.parse("3x2"))]
+        return [Arm(eagle, 2), Arm.of_tree(eagle, TreeShape.parse("dyn4d2k2"))]
     ngram = Arm(NgramDrafter(max_ngram=2), 2)
     skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
     return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
@@ -104,11 +104,14 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
     (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
     bandit, top-k), eagerly on the CPU. ``eagletree_resident``: UCB1 over the trained EAGLE
-    drafter as a γ=2 chain (full q) and as a 3x2 draft tree (children drawn without
-    replacement from counter-based streams, tree verify, K/V compaction) in the resident loop.
-    The reference loop's tree step shares that drafting (``EagleDrafter._grow``) and the tree
-    rule; its torch-generator draws are not gated here (a 500-row tree gate costs about four
-    minutes of CPU); the tree rule itself is gated on both backends in test_exactness_tree.py."""
+    drafter as a γ=2 chain (full q) and as a dynamic dyn4d2k2 draft tree (children drawn
+    without replacement from counter-based streams, the sampled rank, tree verify, K/V
+    compaction) in the resident loop. The reference loop's tree step shares that drafting
+    (``EagleDrafter._grow``) and the tree rule; its torch-generator draws are not gated here (a
+    500-row tree gate costs about four minutes of CPU); the tree rule itself is gated on both
+    backends in test_exactness_tree.py, and so is the dynamic tree's growth. This gate sees the
+    first two tokens only: EAGLE-2's own-score rank, planted, passes it (its bias shows at the
+    second token of a tree step, weakly here); the table gate is where that bug fails."""
     model, prompt = small
     params = SamplingParams(temperature=temperature, top_k=top_k)
     base, _, mode = kind.partition("_")

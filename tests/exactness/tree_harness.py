@@ -58,27 +58,14 @@ def tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
     """Tokens [N, length] of ragged multi-step tree speculation with ``verify_fn``."""
     parents, depth = static_tree(branching)
     gen = torch.Generator().manual_seed(seed + 99)
-    lengths = torch.zeros(n_rows, dtype=torch.long)
-    run = SpecRun(tokens=np.full((n_rows, length), -1, dtype=np.int64))
     par = torch.tensor(parents).expand(n_rows, -1)
     dep = torch.tensor(depth).expand(n_rows, -1)
-    while (rows := (lengths < length).nonzero().squeeze(1)).numel():
-        pos = lengths[rows]
-        at = pos[:, None] + dep[:len(rows)]
-        tree = TreeDraft(draw_children(draft, pos, parents, depth, gen, params if full_q else None),
-                         par[:len(rows)], dep[:len(rows)], draft[at] if full_q else None)
-        logits = target[at]
-        out, n_acc, _ = verify_fn(logits, tree, params, rng.call_seed(seed, run.calls))
-        run.calls += 1
-        j = torch.arange(out.shape[1])[None]
-        at = pos[:, None] + j
-        keep = (j <= n_acc[:, None]) & (at < length)
-        r = rows[:, None].expand_as(at)[keep].numpy()
-        run.tokens[r, at[keep].numpy()] = out[keep].numpy()
-        lengths[rows] += n_acc + 1
-        run.proposed += len(branching) * len(rows)
-        run.accepted += int(n_acc.sum())
-    return run
+
+    def draft_tree(pos: torch.Tensor) -> TreeDraft:
+        at = pos[:, None] + dep[:len(pos)]
+        return TreeDraft(draw_children(draft, pos, parents, depth, gen, params if full_q else None),
+                         par[:len(pos)], dep[:len(pos)], draft[at] if full_q else None)
+    return _speculate(target, draft_tree, len(branching), params, n_rows, length, verify_fn, seed)
 
 
 def tree_positions_needed(length: int, branching: tuple[int, ...]) -> int:
@@ -99,15 +86,26 @@ def dynamic_tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor, s
     from flashspec.tree import TreeShape, grow_tree
     shape = TreeShape.parse(spec)
     gen = torch.Generator().manual_seed(seed + 99)
+
+    def draft_tree(pos: torch.Tensor) -> TreeDraft:
+        def expand(ids, toks, parents, d, bits):
+            return draft[(pos + d)[:, None].expand_as(ids)]
+        return grow_tree(draft[pos], torch.zeros_like(pos), shape, expand, params, gen,
+                         fused=False)
+    return _speculate(target, draft_tree, shape.max_depth, params, n_rows, length, verify_fn,
+                      seed)
+
+
+def _speculate(target: torch.Tensor, draft_tree, max_depth: int, params: SamplingParams,
+               n_rows: int, length: int, verify_fn, seed: int) -> SpecRun:
+    """The multi-step loop: each step, ``draft_tree(positions of the active rows)`` drafts,
+    node i is scored by the target table at position + depth(i), ``verify_fn`` accepts a path
+    and one more token, and the rows advance."""
     lengths = torch.zeros(n_rows, dtype=torch.long)
     run = SpecRun(tokens=np.full((n_rows, length), -1, dtype=np.int64))
     while (rows := (lengths < length).nonzero().squeeze(1)).numel():
         pos = lengths[rows]
-
-        def expand(ids, toks, parents, d, bits):
-            return draft[(pos + d)[:, None].expand_as(ids)]
-        tree = grow_tree(draft[pos], torch.zeros_like(pos), shape, expand, params, gen,
-                         fused=False)
+        tree = draft_tree(pos)
         out, n_acc, _ = verify_fn(target[pos[:, None] + tree.depth], tree, params,
                                   rng.call_seed(seed, run.calls))
         run.calls += 1
@@ -117,6 +115,6 @@ def dynamic_tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor, s
         r = rows[:, None].expand_as(at)[keep].numpy()
         run.tokens[r, at[keep].numpy()] = out[keep].numpy()
         lengths[rows] += n_acc + 1
-        run.proposed += shape.max_depth * len(rows)
+        run.proposed += max_depth * len(rows)
         run.accepted += int(n_acc.sum())
     return run
