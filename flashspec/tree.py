@@ -11,7 +11,8 @@ Two shapes (:class:`TreeShape`): a static one (``4x2x1``: every node at depth d 
 children: the top draft tokens when greedy, draws without replacement when sampling) and a
 dynamic one (``dyn15``: EAGLE-2's expansion, the top-k
 nodes of each depth by cumulative draft log-probability are expanded, then the N best nodes of
-everything drafted are kept).
+everything drafted are kept; under sampling a drawn node is ranked only by what was known before
+its draw, see :func:`grow_tree`).
 """
 from __future__ import annotations
 
