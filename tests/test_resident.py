@@ -20,7 +20,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
-from flashspec.resident import Snapshot, catch_up_width, catch_up_widths, run_chunks
+from flashspec.resident import ResidentLoop, Snapshot, catch_up_width, catch_up_widths, run_chunks
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from conftest import drive_as_on_a_gpu
@@ -201,8 +201,10 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     drafter's fixed resident window: the resident loop catches the drafter up over them before
     it drafts again, and the reference loop keeps the prompt's features when the first step is
     not the drafter's. The two loops then draft alike: same tokens, steps, accepted counts and
-    histograms, with drafts accepted (the EAGLE case failed without either fix; the layer-skip
-    drafter reads the target's own cache and cannot fall behind)."""
+    histograms, with drafts accepted (the EAGLE case failed without the reference loop's fix;
+    this schedule never leaves a drafter behind by more than its window, so the catch-up itself
+    is tested by the next test; the layer-skip drafter reads the target's own cache and cannot
+    fall behind)."""
     model, prompts, drafters = smol
     drafter = drafters[name]
     arms = [Arm(None, 0), Arm(drafter, 4), Arm(drafter, 1), Arm(drafter, 3)]
@@ -212,6 +214,25 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
            [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+@pytest.mark.parametrize("gammas,run_len", [((0, 1), 6), ((4, 1), 2)])
+def test_eagle_catch_up_is_needed_and_done(smol, monkeypatch, gammas, run_len):
+    """Schedules that leave EAGLE behind by more than its resident window (γ + 1 tokens): six
+    plain steps before a γ1 step, or a γ1 step after a γ4 step that committed up to five
+    tokens. With the catch-up the resident loop drafts as the reference loop does (same steps,
+    accepted counts, histograms); with ``ResidentLoop._catch_up`` planted as a no-op it does
+    not (the schedule of the test above never falls that far behind, and passes either way)."""
+    model, prompts, drafters = smol
+    arms = [Arm(drafters["eagle"] if g else None, g) for g in gammas]
+    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len))
+    stats = lambda rows: [(r.steps, r.n_accepted, r.accept_hist) for r in rows]
+    got = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len), resident=True, chunk=1)
+    assert stats(got) == stats(ref) and sum(r.n_accepted for r in ref) > 10
+    monkeypatch.setattr(ResidentLoop, "_catch_up", lambda self, arm: None)
+    planted = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len), resident=True,
+                  chunk=1)
+    assert stats(planted) != stats(ref)
 
 
 @pytest.mark.parametrize("name,gamma", [("eagle", 3), ("ngram", 4)])
