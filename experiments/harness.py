@@ -113,7 +113,7 @@ def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter])
         if isinstance(how, TreeShape):
             if not drafters[name].tree:
                 raise FlashSpecError(f"drafters.arms gives drafter {name!r} the tree {how.label}; "
-                                     "it drafts chains only (trees: EagleDrafter)")
+                                     "it drafts chains only (trees: EAGLE and n-gram drafters)")
             arms.append(Arm.of_tree(drafters[name], how))
             continue
         if how <= 0:

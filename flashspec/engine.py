@@ -43,6 +43,7 @@ class Arm:
 
     @classmethod
     def of_tree(cls, drafter: Drafter, shape: TreeShape) -> "Arm":
+        drafter.check_tree(shape)
         return cls(drafter, shape.max_depth, shape)
 
     @property

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""τ of the trained EAGLE drafter as a draft tree vs as a chain at the same verify width.
+"""τ of the trained EAGLE drafter (or n-gram lookup, ``--drafter ngram``) as a draft tree vs as
+a chain at the same verify width.
 
 Greedy and T = 1 on HumanEval and MT-Bench (first turns), prompts drawn with ``--seed`` from the
 eval split; τ is tokens per target forward. Greedy outputs are checked equal to target-only AR.
@@ -21,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from flashspec.data import chat_ids, load_prompts
-from flashspec.drafters import DraftContext, EagleDrafter
+from flashspec.drafters import DraftContext, EagleDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
@@ -43,16 +44,21 @@ def main() -> None:
     ap.add_argument("--source", default="smollm2")
     ap.add_argument("--out", default=None)
     ap.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    ap.add_argument("--drafter", choices=("eagle", "ngram"), default="eagle",
+                    help="ngram: prompt lookup, its trees one continuation per branch (3x1x1x1)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_model(args.source, dtype=args.dtype, device=args.device)
     if args.device == "cuda":
         fuse_model(model)       # the fused decode layers every other GPU step uses
-    eagle = EagleDrafter.build(DraftContext(model, tok, args.device, args.dtype), "eagle",
-                               checkpoint="checkpoints/smollm2_eagle_lr72.safetensors",
-                               head=LowRankChoice(rank=72, init="trained"))
-    arms = ([Arm.of_tree(eagle, TreeShape.parse(t)) for t in args.trees.split(",")]
-            + [Arm(eagle, int(g)) for g in args.chains.split(",") if g])
+    if args.drafter == "ngram":
+        drafter = NgramDrafter()
+    else:
+        drafter = EagleDrafter.build(DraftContext(model, tok, args.device, args.dtype), "eagle",
+                                     checkpoint="checkpoints/smollm2_eagle_lr72.safetensors",
+                                     head=LowRankChoice(rank=72, init="trained"))
+    arms = ([Arm.of_tree(drafter, TreeShape.parse(t)) for t in args.trees.split(",") if t]
+            + [Arm(drafter, int(g)) for g in args.chains.split(",") if g])
     out = open(args.out, "w") if args.out else None
     eos = [int(tok.eos_token_id)]
     cuda = args.device == "cuda"

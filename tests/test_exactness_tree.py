@@ -27,6 +27,7 @@ if not torch.cuda.is_available():
 from exactness.stats import exact_target_probs, gate, sample_reference  # noqa: E402
 from exactness.tables import make_draft, make_target  # noqa: E402
 from exactness.tree_harness import (dynamic_tree_speculative_sample,  # noqa: E402
+                                    repeated_sibling_speculative_sample,
                                     tree_speculative_sample)
 import flashspec.tree as tree_growth  # noqa: E402
 from flashspec.tree import TreeDraft  # noqa: E402
@@ -85,6 +86,27 @@ def test_tree_gate_fails_when_rejected_siblings_stay_in_the_residual(monkeypatch
     result, run = run_tree_gate(*case, tree_verify.verify_tree)
     print(f"\n[tree gate] planted sibling-residual bug: {result.summary()}")
     assert not result.passed, result.summary()
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["exact", "planted"])
+def test_tree_gate_with_repeated_one_hot_siblings(monkeypatch, planted) -> None:
+    """An n-gram draft tree may repeat a sibling's token (branches padded with the row's last
+    token). A repeated one-hot sibling, tested after its twin was rejected, meets a residual
+    without its token and is rejected, so the output keeps the target's distribution (T = 1,
+    3 branches x 3 deep, half the rows repeating). With the sibling-residual update planted
+    away, the twin is tested against the target again and the gate fails."""
+    if planted:
+        monkeypatch.setattr(tree_verify, "drop_rejected", lambda w, q, rows, tokens: None)
+    target, z = make_target(VOCAB, LENGTH + 5, seed=4)
+    draft = make_draft(z, 0.9, seed=5)
+    params = SamplingParams(1.0)
+    run = repeated_sibling_speculative_sample(target, draft, 3, 3, params, N_ROWS, LENGTH,
+                                              tree_verify.verify_tree, seed=4)
+    probs = exact_target_probs(target[:LENGTH], 1.0)
+    result = gate(run.tokens, sample_reference(probs, N_ROWS, 4 + 12345), probs)
+    print(f"\n[tree gate] repeated one-hot siblings, planted={planted}: {result.summary()}")
+    assert 0 < run.alpha < 1
+    assert result.passed != planted, result.summary()
 
 
 DYNAMIC = [(1.0, "dyn15d6k4", 0.8), (1.0, "dyn5d4k3", 0.8), (0.7, "dyn6d3k3", 0.9)]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from experiments.harness import build_arms
-from flashspec.drafters import DraftContext, EagleDrafter, NgramDrafter
+from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
+from flashspec.drafters.ngram import branch_tree, device_branches, lookup
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.heads import LowRankChoice
@@ -18,6 +20,7 @@ from flashspec.models import load_model
 from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_attention
 from flashspec.verify import SamplingParams
 from test_engine import TEXTS, small_model_dir
+from exactness.tree_harness import static_tree
 from test_exactness_engine import EAGLE
 
 
@@ -195,8 +198,58 @@ def test_tree_arms_from_config(four) -> None:
     arms = build_arms(cfg, {"eagle": eagle, "ngram": NgramDrafter()})
     assert [a.name for a in arms] == ["eagle@3", "eagle@4x2", "eagle@dyn8d6k4"]
     assert arms[1].gamma == 2 and arms[2].reach == TreeShape.parse("dyn8").candidates
+    ngram = build_arms(OmegaConf.create({"arms": [["ngram", "3x1x1"]]}), {"ngram": NgramDrafter()})
+    assert [(a.name, a.gamma, a.reach) for a in ngram] == [("ngram@3x1x1", 3, 9)]
+    for spec in ("2x2", "dyn8"):    # an n-gram tree is one continuation per branch
+        with pytest.raises(FlashSpecError, match="one continuation per branch"):
+            build_arms(OmegaConf.create({"arms": [["ngram", spec]]}), {"ngram": NgramDrafter()})
+    skip = ModelDrafter(model, [0], name="skip1")
     with pytest.raises(FlashSpecError, match="chains only"):
-        build_arms(OmegaConf.create({"arms": [["ngram", "2x2"]]}), {"ngram": NgramDrafter()})
+        build_arms(OmegaConf.create({"arms": [["skip1", "2x1"]]}), {"skip1": skip})
+
+
+def host_branches(row: list[int], k: int, depth: int, max_n: int, min_n: int) -> list[list[int]]:
+    """:func:`device_branches` on the host, plainly: every continuation after an earlier
+    occurrence of a suffix n-gram, longest n first and then the latest, the first k that begin
+    with different tokens."""
+    ranked, seen = [], set()
+    for n in range(min(max_n, len(row) - 1), min_n - 1, -1):
+        for start in range(len(row) - n - 1, -1, -1):
+            if row[start:start + n] == row[len(row) - n:] and start + n not in seen:
+                seen.add(start + n)
+                ranked.append(row[start + n:start + n + depth])
+    out = []
+    for cont in ranked:
+        if len(out) < k and all(cont[0] != o[0] for o in out):
+            out.append(cont)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=24), min_size=1, max_size=4),
+       st.integers(1, 4), st.integers(1, 5), st.integers(1, 3), st.integers(1, 3))
+def test_ngram_branches_equal_the_host_form(rows, k, depth, a, b) -> None:
+    """The device form of several n-gram continuations per row equals the host form; branch 0
+    is the chain's lookup; missing tokens repeat the row's last token; the tree of the branches
+    has the static k x 1 x ... x 1 shape's parents and depths."""
+    max_n, min_n = max(a, b), min(a, b)
+    tokens = torch.zeros(len(rows), 30, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = torch.tensor(r)
+    lengths = torch.tensor([len(r) for r in rows])
+    drafts, real = device_branches(tokens, lengths, k, depth, max_n, min_n)
+    for i, r in enumerate(rows):
+        want = host_branches(r, k, depth, max_n, min_n)
+        assert real[i].tolist() == [len(w) for w in want] + [0] * (k - len(want))
+        for j in range(k):
+            got, w = drafts[i, j].tolist(), want[j] if j < len(want) else []
+            assert got == w + [r[-1]] * (depth - len(w))
+        assert (want[0] if want else []) == lookup(r, depth, max_n, min_n)
+    tree = branch_tree(drafts, tokens[:, 0])
+    static = TreeShape.parse("x".join([str(k)] + ["1"] * (depth - 1)))
+    assert tree.size == static.size
+    parents, depths = static_tree(static.branching)
+    assert tree.parents[0].tolist() == parents and tree.depth[0].tolist() == depths
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +296,30 @@ def test_resident_tree_equals_reference_loop(smol, spec) -> None:
         got = engine.generate(prompts, 37).rows
         assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
                [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
+
+
+def test_ngram_tree_greedy_equals_target_only(smol) -> None:
+    """An n-gram draft tree (3 continuations, 4 deep) in the reference loop and the resident
+    loop (eager, chunks of 1 and 4) gives the target's greedy tokens, with an EOS and a budget
+    inside accepted runs; both loops take the same steps and accept the same counts, and the
+    tree accepts more than the n-gram chain of its depth (its other branches are used)."""
+    model, tok, prompts, _ = smol
+    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    ngram = NgramDrafter()
+    ref = SpecEngine(model, [Arm(None, 0)], eos_ids=eos).generate(prompts, 37).rows
+    tree = SpecEngine(model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], eos_ids=eos
+                      ).generate(prompts, 37).rows
+    chain = SpecEngine(model, [Arm(ngram, 4)], eos_ids=eos).generate(prompts, 37).rows
+    assert [r.tokens for r in tree] == [r.tokens for r in ref] == [r.tokens for r in chain]
+    assert sum(r.n_accepted for r in tree) > sum(r.n_accepted for r in chain)
+    for chunk in (1, 4):
+        engine = SpecEngine(model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))],
+                            eos_ids=eos, resident=True, chunk=chunk)
+        engine.min_capacity = 256
+        got = engine.generate(prompts, 37).rows
+        assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
+               [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in tree]
 
 
 @pytest.mark.parametrize("chunk", [1, 4])

@@ -135,6 +135,12 @@ class Drafter(ABC):
     # ------------------------------------------------------------------ draft trees
     tree: bool = False        # whether propose_tree is implemented
 
+    def check_tree(self, shape: TreeShape) -> None:
+        """Refuse (:class:`FlashSpecError`) a tree shape this drafter cannot draft."""
+        if not self.tree:
+            raise FlashSpecError(f"drafter {self.name!r} drafts chains only, not the tree "
+                                 f"{shape.label}")
+
     def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
                      generator: torch.Generator | None) -> TreeDraft:
         """A draft tree of ``shape`` per row (:mod:`flashspec.tree`): children chosen

@@ -1,9 +1,12 @@
-"""Prompt-lookup (n-gram) drafting: copy what followed the latest earlier match of the suffix."""
+"""Prompt-lookup (n-gram) drafting: copy what followed the latest earlier match of the suffix
+(a chain), or what followed several earlier matches (a draft tree of one chain per branch)."""
 from __future__ import annotations
 
 import torch
 
 from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.errors import FlashSpecError
+from flashspec.tree import TreeDraft, TreeShape
 from flashspec.verify.sampling import SamplingParams
 
 
@@ -49,6 +52,57 @@ def device_lookup(tokens: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n
     last = (lengths - 1)[:, None].expand(-1, gamma)
     idx = torch.where(span[None, :gamma] < real[:, None], idx, last)
     return tokens.gather(1, idx), real
+
+
+def device_branches(tokens: torch.Tensor, lengths: torch.Tensor, k: int, depth: int,
+                    max_ngram: int, min_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``k`` continuations of every row as device ops over ``tokens`` [B, C] holding
+    ``lengths`` [B] committed tokens: (drafts [B, k, depth], real drafts per branch [B, k]).
+
+    A continuation is what follows an earlier occurrence of a suffix n-gram of the row; they
+    are ranked longest n-gram first, then most recent, and a branch takes the best one whose
+    first token no better branch starts with (siblings differ). Branch 0 is :func:`lookup`'s
+    continuation. Missing tokens (a short continuation, a branch without one) repeat the row's
+    last committed token, as :func:`device_lookup` pads: a deterministic proposal too."""
+    batch, cap = tokens.shape
+    span = torch.arange(cap, device=tokens.device)
+    # rank of the continuation starting at column c (-1: none): n * C + c for the longest n
+    rank = torch.full((batch, cap), -1, dtype=torch.long, device=tokens.device)
+    for n in range(min_ngram, max_ngram + 1):
+        if n >= cap:
+            continue
+        suffix = tokens.gather(1, (lengths[:, None] - n + span[:n]).clamp(min=0))
+        starts = span[:cap - n]
+        match = torch.ones(batch, cap - n, dtype=torch.bool, device=tokens.device)
+        for j in range(n):
+            match &= tokens[:, j:cap - n + j] == suffix[:, j:j + 1]
+        match &= (starts[None] <= (lengths - n - 1)[:, None]) & (lengths > n)[:, None]
+        rank[:, n:] = torch.where(match, n * cap + starts[None] + n, rank[:, n:])
+    first = []
+    for _ in range(k):
+        best, col = rank.max(1)
+        col = torch.where(best >= 0, col, -1)
+        first.append(col)
+        head = tokens.gather(1, col.clamp(min=0)[:, None])              # the branch's first token
+        rank = torch.where((tokens == head) & (col >= 0)[:, None], -1, rank)
+    start = torch.stack(first, 1)                                        # [B, k]
+    real = torch.where(start >= 0, (lengths[:, None] - start).clamp(max=depth), 0)
+    idx = start.clamp(min=0)[..., None] + span[:depth]                   # [B, k, depth]
+    last = (lengths - 1)[:, None, None].expand_as(idx)
+    idx = torch.where(span[:depth] < real[..., None], idx, last)
+    return tokens.gather(1, idx.reshape(batch, -1)).reshape(batch, k, depth), real
+
+
+def branch_tree(drafts: torch.Tensor, root: torch.Tensor) -> TreeDraft:
+    """The draft tree of ``drafts`` [B, k, D] (one chain per branch, from the root tokens
+    [B]): nodes breadth first as a static ``k x 1 x ... x 1`` shape numbers them, one-hot."""
+    batch, k, depth = drafts.shape
+    ids = torch.arange(k * depth, device=drafts.device)
+    d, branch = ids // k + 1, ids % k
+    parents = torch.where(d > 1, ids - k + 1, 0)
+    return TreeDraft(torch.cat([root[:, None], drafts.transpose(1, 2).reshape(batch, -1)], 1),
+                     torch.cat([parents.new_full((1,), -1), parents]).expand(batch, -1),
+                     torch.cat([d.new_zeros(1), d]).expand(batch, -1))
 
 
 class NgramIndex:
@@ -127,6 +181,27 @@ class NgramDrafter(Drafter):
         """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
         hits = [n > 0 for n, done in zip(self.available(state, 1), state.finished) if not done]
         return {"ngram_hit": bool(hits) and all(hits)}
+
+    tree = True
+
+    def check_tree(self, shape: TreeShape) -> None:
+        """The one tree n-gram lookup drafts: ``k x 1 x ... x 1``, a continuation per branch."""
+        if not shape.branching or any(b != 1 for b in shape.branching[1:]):
+            raise FlashSpecError(f"an n-gram draft tree is one continuation per branch: write "
+                                 f"k x 1 x ... x 1 (e.g. 3x1x1x1), not {shape.label}")
+
+    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
+                     generator: torch.Generator | None) -> TreeDraft:
+        lengths = torch.tensor(state.lengths, device=state.device)
+        return self.resident_tree(state.tokens, lengths, shape, params, None)
+
+    def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
+                      params: SamplingParams, seed: torch.Tensor | None) -> TreeDraft:
+        """``k`` continuations of :func:`device_branches` as a tree (one-hot drafts)."""
+        self.check_tree(shape)
+        drafts, _ = device_branches(tokens, lengths, shape.branching[0], shape.max_depth,
+                                    self.max_ngram, self.min_ngram)
+        return branch_tree(drafts, tokens.gather(1, (lengths - 1)[:, None])[:, 0])
 
     def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, None]:

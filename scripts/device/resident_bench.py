@@ -79,6 +79,12 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
         "eagle5_res_planner": lambda: SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
         "ngram8_res": lambda: SpecEngine(model, [Arm(ngram, 8)], **res),
         "ngram8_res_planner": lambda: SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
+        "ngram12_res": lambda: SpecEngine(model, [Arm(ngram, 12)], **res),   # the width of 3x1x1x1
+        # n-gram lookup as a draft tree: three continuations, four deep
+        "ngram_3x1x1x1_res": lambda: SpecEngine(
+            model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], **res),
+        "ngram_3x1x1x1_res_planner": lambda: SpecEngine(
+            model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], planner=WidthPlanner(), **res),
     }
     for i, spec in enumerate(trees):   # draft trees in the resident loop
         arm = Arm.of_tree(eagle, TreeShape.parse(spec))

@@ -68,6 +68,28 @@ def tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
     return _speculate(target, draft_tree, len(branching), params, n_rows, length, verify_fn, seed)
 
 
+def repeated_sibling_speculative_sample(target: torch.Tensor, draft: torch.Tensor,
+                                        branches: int, depth: int, params: SamplingParams,
+                                        n_rows: int, length: int, verify_fn, seed: int) -> SpecRun:
+    """As :func:`tree_speculative_sample` for one-hot trees of ``branches`` chains (the shape
+    of an n-gram draft tree, :func:`flashspec.drafters.ngram.branch_tree`), where on half the
+    rows every later branch repeats the first branch's tokens (n-gram branches padded with the
+    row's last token repeat one another)."""
+    branching = (branches,) + (1,) * (depth - 1)
+    parents, dep = static_tree(branching)
+    gen = torch.Generator().manual_seed(seed + 99)
+    par, d = torch.tensor(parents), torch.tensor(dep)
+    nodes = torch.arange(1, len(parents))
+
+    def draft_tree(pos: torch.Tensor) -> TreeDraft:
+        tokens = draw_children(draft, pos, parents, dep, gen)
+        twin = torch.rand(len(pos), generator=gen) < 0.5
+        first = 1 + (nodes - 1) // branches * branches          # branch 0's node at that depth
+        tokens[:, 1:] = torch.where(twin[:, None], tokens[:, first], tokens[:, 1:])
+        return TreeDraft(tokens, par.expand(len(pos), -1), d.expand(len(pos), -1))
+    return _speculate(target, draft_tree, depth, params, n_rows, length, verify_fn, seed)
+
+
 def tree_positions_needed(length: int, branching: tuple[int, ...]) -> int:
     return length + len(branching) + 1
 
