@@ -24,6 +24,18 @@ def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> lis
     return []
 
 
+def _matches(tokens: torch.Tensor, lengths: torch.Tensor, n: int, span: torch.Tensor
+             ) -> torch.Tensor:
+    """[B, C - n] bool: the row's suffix n-gram occurs at column ``start`` of ``tokens`` [B, C]
+    earlier than the suffix itself (start <= L - n - 1, so a continuation follows it)."""
+    batch, cap = tokens.shape
+    suffix = tokens.gather(1, (lengths[:, None] - n + span[:n]).clamp(min=0))
+    match = torch.ones(batch, cap - n, dtype=torch.bool, device=tokens.device)
+    for k in range(n):
+        match &= tokens[:, k:cap - n + k] == suffix[:, k:k + 1]
+    return match & (span[None, :cap - n] <= (lengths - n - 1)[:, None]) & (lengths > n)[:, None]
+
+
 def device_lookup(tokens: torch.Tensor, lengths: torch.Tensor, gamma: int, max_ngram: int,
                   min_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`lookup` for every row at once as device ops over the buffer ``tokens`` [B, C]
@@ -32,20 +44,14 @@ def device_lookup(tokens: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n
     Rows without a match (or with fewer than γ tokens after theirs) are padded by repeating
     their last token; the padding is a deterministic proposal too, so verification stays exact.
     """
-    batch, cap = tokens.shape
+    cap = tokens.shape[1]
     span = torch.arange(cap, device=tokens.device)
     follow = torch.full_like(lengths, -1)        # where the chosen continuation starts
     for n in range(max_ngram, min_ngram - 1, -1):
         if n >= cap:
             continue
-        suffix = tokens.gather(1, (lengths[:, None] - n + span[:n]).clamp(min=0))
         starts = span[:cap - n]
-        match = torch.ones(batch, cap - n, dtype=torch.bool, device=tokens.device)
-        for k in range(n):
-            match &= tokens[:, k:cap - n + k] == suffix[:, k:k + 1]
-        # an earlier occurrence: it starts before the suffix does (start <= L - n - 1)
-        match &= (starts[None] <= (lengths - n - 1)[:, None]) & (lengths > n)[:, None]
-        latest = torch.where(match, starts[None], -1).amax(1)
+        latest = torch.where(_matches(tokens, lengths, n, span), starts[None], -1).amax(1)
         follow = torch.where((follow < 0) & (latest >= 0), latest + n, follow)
     real = torch.where(follow >= 0, (lengths - follow).clamp(max=gamma), 0)
     idx = follow.clamp(min=0)[:, None] + span[:gamma]
@@ -71,13 +77,8 @@ def device_branches(tokens: torch.Tensor, lengths: torch.Tensor, k: int, depth: 
     for n in range(min_ngram, max_ngram + 1):
         if n >= cap:
             continue
-        suffix = tokens.gather(1, (lengths[:, None] - n + span[:n]).clamp(min=0))
-        starts = span[:cap - n]
-        match = torch.ones(batch, cap - n, dtype=torch.bool, device=tokens.device)
-        for j in range(n):
-            match &= tokens[:, j:cap - n + j] == suffix[:, j:j + 1]
-        match &= (starts[None] <= (lengths - n - 1)[:, None]) & (lengths > n)[:, None]
-        rank[:, n:] = torch.where(match, n * cap + starts[None] + n, rank[:, n:])
+        rank[:, n:] = torch.where(_matches(tokens, lengths, n, span),
+                                  n * cap + span[None, :cap - n] + n, rank[:, n:])
     first = []
     for _ in range(k):
         best, col = rank.max(1)
