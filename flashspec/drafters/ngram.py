@@ -99,7 +99,7 @@ def branch_tree(drafts: torch.Tensor, root: torch.Tensor) -> TreeDraft:
     [B]): nodes breadth first as a static ``k x 1 x ... x 1`` shape numbers them, one-hot."""
     batch, k, depth = drafts.shape
     ids = torch.arange(k * depth, device=drafts.device)
-    d, branch = ids // k + 1, ids % k
+    d = ids // k + 1
     parents = torch.where(d > 1, ids - k + 1, 0)
     return TreeDraft(torch.cat([root[:, None], drafts.transpose(1, 2).reshape(batch, -1)], 1),
                      torch.cat([parents.new_full((1,), -1), parents]).expand(batch, -1),
