@@ -371,10 +371,11 @@ def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams
         rows_s, rows_w, chunk = 1, 1, 2048
         splits = splits or STAT_SPLITS
     splits = min(splits, triton.cdiv(vocab, chunk))
+    # merge: the interpreter pays per program (64-row programs made it 53 of a 68 s tree gate)
+    rows_m = min(next_pow2(batch * width), (1 << 20) // next_pow2(splits) if INTERPRET else 64)
     span = triton.cdiv(triton.cdiv(vocab, chunk), splits) * chunk
     part = torch.empty(batch * width * splits * N_STAT, dtype=torch.float32, device=dev)
     row_temp = temperature is not None
-    rows_m = min(next_pow2(batch * width), 64)
     for i, (src, sb) in enumerate(((tgt, tgt.stride(0)), (drf, drf.stride(0)))[:1 + has_q]):
         tree_stats_kernel[(triton.cdiv(batch * width, rows_s), splits)](
             src, sb, temp_ptr, temp, part, batch, width, vocab, span,
