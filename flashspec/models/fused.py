@@ -45,6 +45,7 @@ from flashspec.options import interpreted
 from flashspec.tree import TreeAttention
 
 MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
+AR_BLOCK_M = 16     # query rows per attention program of a one-token (AR) step
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -143,11 +144,13 @@ def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_freq_ptr, q_ptr, kc_ptr, 
 
 
 @triton.jit
-def _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks, m_i, l_i, acc,
+def _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen, scale, s_ks, m_i, l_i, acc,
                   IEEE: tl.constexpr):
-    """One key block ``s`` of the online softmax: queries see the slots where ``seen``."""
+    """One key block of the online softmax: key lanes ``s`` (the sequence positions the block
+    covers, lanes at or past ``hi`` load nothing) read cache ``slot`` (``s`` itself for a chain;
+    a tree node's ancestors sit elsewhere); queries see the lanes where ``seen``."""
     smask = (s < hi)[:, None] & dmask[None, :]
-    k = tl.load(k_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+    k = tl.load(k_ptr + kv + slot[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
     if IEEE:
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -157,7 +160,7 @@ def _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks, m_i, 
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_ptr + kv + s[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
+    v = tl.load(v_ptr + kv + slot[:, None] * s_ks + d[None, :], mask=smask, other=0.0)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
     else:
@@ -166,64 +169,82 @@ def _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks, m_i, 
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o_ptr, n,
-                             capacity, scale, s_kb, s_kh, s_ks,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o_ptr, n,
+                             capacity, scale, s_kb, s_kh, s_ks, s_path,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             TREE: tl.constexpr, NW: tl.constexpr, IEEE: tl.constexpr):
-    """Program (b * HKV + kv head, query block): the G = H / HKV query heads of one kv head for
-    all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max position;
-    a query at position p sees slots <= p. With TREE, pos_ptr holds each query's own slot and
-    the query sees the slots below base_ptr[b] (the committed prefix) and tree slot base + j
-    where bit j of its NW-word (1 or 2) bitmask bits_ptr[b, t, :] is set (its ancestors and
-    itself); each query's words are loaded once, before the key loop, and used only in the key
-    blocks that reach the tree's slots (the prefix blocks are plain causal ones). q and o are
-    [B, n, H, D] contiguous."""
+                             TREE: tl.constexpr, NPP: tl.constexpr, HB: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """Chain (program (b * HKV + kv head, query block)): the G = H / HKV query heads of one kv
+    head for all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max
+    position; a query at position p sees slots <= p.
+
+    TREE (program (b * HKV + kv head, node group * HB + head block)): NPP nodes, the G query
+    heads of each in consecutive rows (HB blocks of heads when G > BLOCK_M). pos_ptr[b, t]
+    holds how many nodes the path of node t has (the root .. t) and path_ptr[b, t, :] their
+    cache slots in root-to-node order; a node attends the committed prefix (slots below
+    base_ptr[b]) and then its path: the sequence an AR step at the node's position sees. Key
+    lane s of that sequence reads slot s below the base and the path's slot s - base above
+    it, in the AR step's blocks, so each node rounds as that AR step does (a greedy tree
+    reproduces AR bit for bit). Key blocks wholly below the base are the same for every node
+    and are read once; a block that reaches the tree is attended once per node, each pass
+    masked to that node's rows (rows that see no key of a block come out of it unchanged, the
+    same exact no-op that lets a chain step's rows share blocks past their own position).
+    q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = m // G
-    h = kvh * G + m % G
-    valid = t < n
-    pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
-    hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
-    plain = hi
-    base = 0
-    word0 = tl.zeros([BLOCK_M], tl.int64)
-    word1 = tl.zeros([BLOCK_M], tl.int64)
+    r = tl.arange(0, BLOCK_M)
     if TREE:
+        first = (tl.program_id(1) // HB) * NPP
+        node = first + r // G
+        g = (tl.program_id(1) % HB) * BLOCK_M + r % G
+        valid = (r < NPP * G) & (g < G) & (node < n)
+        h = kvh * G + g
         base = tl.load(base_ptr + b)
-        plain = tl.minimum((base // BLOCK_N) * BLOCK_N, hi).to(tl.int32)
-        word0 = tl.load(bits_ptr + (b * n + t) * NW, mask=valid, other=0)
-        if NW > 1:
-            word1 = tl.load(bits_ptr + (b * n + t) * NW + 1, mask=valid, other=0)
+        count = tl.load(pos_ptr + b * n + node, mask=valid, other=0)
+        hi_row = tl.where(valid, tl.minimum(base + count, capacity), 0)
+        hi = tl.max(hi_row, axis=0).to(tl.int32)
+        qo = (b * n + node)[:, None] * (H * D) + h[:, None] * D
+    else:
+        m = tl.program_id(1) * BLOCK_M + r
+        t = m // G
+        h = kvh * G + m % G
+        valid = t < n
+        pos = tl.load(pos_ptr + b * n + t, mask=valid, other=-1)
+        hi = tl.minimum(tl.max(pos, axis=0) + 1, capacity).to(tl.int32)
+        qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    qo = (b * n + t)[:, None] * (H * D) + h[:, None] * D + d[None, :]
+    qo = qo + d[None, :]
     qmask = valid[:, None] & dmask[None, :]
     q = tl.load(q_ptr + qo, mask=qmask, other=0.0)
     kv = b * s_kb + kvh * s_kh
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, plain, BLOCK_N):
+    for start in range(0, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
-        seen = s[None, :] <= pos[:, None]
-        m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale, s_ks,
-                                      m_i, l_i, acc, IEEE)
-    if TREE:
-        for start in range(plain, hi, BLOCK_N):
-            s = start + tl.arange(0, BLOCK_N)
-            rel = s[None, :] - base
-            inside = (rel >= 0) & (rel < 64 * NW)
-            r = tl.maximum(rel, 0)
-            word = word0[:, None]
-            if NW > 1:
-                word = tl.where(r >= 64, word1[:, None], word)
-            bit = (word >> (r % 64).to(tl.int64)) & 1
-            seen = (s[None, :] <= pos[:, None]) & ((rel < 0) | (inside & (bit != 0)))
-            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, d, dmask, hi, seen, scale,
+        if TREE:
+            if start + BLOCK_N <= base:
+                seen = s[None, :] < hi_row[:, None]
+                m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, s, d, dmask, hi, seen,
+                                              scale, s_ks, m_i, l_i, acc, IEEE)
+            else:
+                for j in tl.static_range(NPP):
+                    nj = first + j
+                    hj = tl.minimum(base + tl.load(pos_ptr + b * n + nj, mask=nj < n, other=0),
+                                    capacity)
+                    rel = s - base
+                    on_path = (rel >= 0) & (s < hj)
+                    slot = tl.where(on_path, tl.load(path_ptr + (b * n + nj) * s_path + rel,
+                                                     mask=on_path, other=0), s)
+                    seen = (valid & (node == nj))[:, None] & (s < hj)[None, :]
+                    m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi,
+                                                  seen, scale, s_ks, m_i, l_i, acc, IEEE)
+        else:
+            seen = s[None, :] <= pos[:, None]
+            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, s, d, dmask, hi, seen, scale,
                                           s_ks, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + qo, out.to(o_ptr.dtype.element_ty), mask=qmask)
@@ -326,37 +347,46 @@ def rope_cache_write(qkv: torch.Tensor, positions: torch.Tensor, k_cache: torch.
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, block_m: int | None = None,
                      tree: TreeAttention | None = None, block_n: int | None = None,
-                     warps: int = 4) -> torch.Tensor:
+                     warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
     a query at position p sees slots 0..p of its own row; with ``tree``
     (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
-    and itself. Returns [B, n, H, D]. ``block_m`` (query rows), ``block_n`` (key slots) and
-    ``warps`` per program: the launch geometry (defaults: the ones the decode steps use; 16-bit
-    chain queries take 128 key slots a block, 1.2x faster than 64 on an H200 at 256 cached
-    tokens and 1.3x at 1024, where tree queries were slower with 128 below 512 tokens)."""
+    and itself, in the order and blocks of the AR step at its position (so it rounds as that
+    step does). Returns [B, n, H, D]. ``block_m`` (query rows of a chain step), ``block_n`` (key
+    slots) and ``warps`` per program: the launch geometry; a tree step takes the AR step's, which
+    its bit-equality with AR rests on. ``out``: where to write (default a tensor like q); an
+    fp32 ``out`` keeps the fp32 result of 16-bit inputs, before it is rounded."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
-    rows = n * (heads // kv_heads)
-    # decode steps (up to 64 query rows: a draft tree of 16 nodes × 3 query heads per kv head)
-    # take blocks of 16 rows: more programs in flight instead of one long program per kv head
-    # (a 64-row block made a tree step's attention 3x a chain step's per call on the H200)
-    block_m = block_m or (16 if rows <= 64 else 64)
+    group = heads // kv_heads
     ieee = q.dtype == torch.float32
-    out = torch.empty_like(q)
-    grid = (b * kv_heads, triton.cdiv(rows, block_m))
+    # An AR step is one token: its G query rows fit a 16-row block whenever G <= 64. A tree
+    # node must use that same block and key block, whatever the node count.
+    nodes_per_program, head_blocks = 1, 1
     if tree is not None:
-        positions = tree.slots
-        if tree.bits.shape[-1] > 2:
-            raise ValueError(f"tree attention takes at most 128 nodes, got {64 * tree.bits.shape[-1]}-bit masks")
+        block_m = AR_BLOCK_M if group <= 64 else 64
+        if group <= block_m:
+            nodes_per_program = block_m // group
+        else:
+            head_blocks = triton.cdiv(group, block_m)
+        grid = (b * kv_heads, triton.cdiv(n, nodes_per_program) * head_blocks)
+        lengths, path = tree.path
+        pos_arg, path_arg, base_arg, s_path = lengths, path, tree.base, path.stride(1)
+    else:
+        # chain steps of up to 64 query rows take blocks of 16 rows: more programs in flight
+        # than one long program per kv head
+        block_m = block_m or (AR_BLOCK_M if n * group <= 64 else 64)
+        grid = (b * kv_heads, triton.cdiv(n * group, block_m))
+        pos_arg = path_arg = base_arg = positions
+        s_path = 0
+    out = torch.empty_like(q) if out is None else out
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
-        positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H=heads, HKV=kv_heads, G=heads // kv_heads, D=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n or (32 if ieee else 64 if tree is not None else 128),
-        BLOCK_D=max(16, _pow2(head_dim)),
-        TREE=tree is not None, NW=1 if tree is None else tree.bits.shape[-1], IEEE=ieee,
+        q, k_cache, v_cache, pos_arg, path_arg, base_arg, out, n, capacity,
+        1.0 / math.sqrt(head_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), s_path,
+        H=heads, HKV=kv_heads, G=group, D=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n or (32 if ieee else 128), BLOCK_D=max(16, _pow2(head_dim)),
+        TREE=tree is not None, NPP=nodes_per_program, HB=head_blocks, IEEE=ieee,
         num_warps=warps)
     return out
 
