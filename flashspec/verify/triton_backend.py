@@ -13,7 +13,8 @@ FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
 top-p < 1, top-k > 256, top-k on CUDA (unless KernelOptions.fuse_topk_on_cuda), dtypes other than
-bf16/fp16/fp32, V >= 2^24, CPU tensors without Triton's interpreter (flashspec.options.interpreted).
+bf16/fp16/fp32, V >= 2^24, γ >= 65,535 (the positions' grid axis), CPU tensors without Triton's
+interpreter (flashspec.options.interpreted).
 
 Every switch comes in as a :class:`flashspec.options.KernelOptions` argument (``options=``);
 the module holds no switches of its own.
@@ -39,8 +40,8 @@ from flashspec.verify.api import Backend
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
-from flashspec.verify.triton_host import (DTYPES, log_once, next_pow2, seed_args, unfused_input,
-                                         unit_rows)
+from flashspec.verify.triton_host import (DTYPES, MAX_GRID_Y, log_once, next_pow2, seed_args,
+                                         unfused_input, unit_rows)
 
 MAX_TOPK = 256
 INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
@@ -106,6 +107,8 @@ def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, program
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
                      params: SamplingParams, options: KernelOptions = DEFAULT) -> str | None:
     vocab = target_logits.shape[-1]
+    if target_logits.dim() == 3 and target_logits.shape[1] > MAX_GRID_Y:
+        return f"draft lengths of {MAX_GRID_Y} tokens or more are not fused"
     if params.top_p < 1.0:
         return "top-p is not fused"
     if 0 < params.top_k < vocab and params.top_k > MAX_TOPK:
@@ -187,14 +190,15 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     slot = _Slot(p, fused, nc, ncr, ws, cnt)
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
     fuse_finish = fused or fuse_finish
-    slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
+    # row groups share grid axis 0 with the chunks (triton_kernels docstring: any batch fits)
+    slot.launches.append(("stats", K.stats_kernel, (nc * n_groups, gamma + 1, 1), dict(
         common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
             common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1), **flags,
             INTERPRET=INTERPRET), 4))
-    slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
+    slot.launches.append(("race", K.race_kernel, (ncr * n_groups, 1, 1), dict(
         common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), **flags, FUSED=fuse_finish,
         INTERPRET=INTERPRET), p.rwarps))
     if not fuse_finish:
@@ -301,7 +305,7 @@ def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, tem
         if is_q and not has_q:
             continue
         groups = -(-batch * npos // rows)
-        K.topk_cand_kernel[(nct, groups)](
+        K.topk_cand_kernel[(nct * groups,)](
             src, src.stride(0), src.stride(1), temp_ptr, temp, ws, batch, vocab, nc, nct,
             G=gamma, IS_Q=is_q, KP2=kp2, BLOCK=block, ROWS=rows, ROW_TEMP=row_temp,
             num_warps=8)
