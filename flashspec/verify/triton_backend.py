@@ -37,6 +37,7 @@ import torch
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import reference
 from flashspec.verify.api import Backend
+from flashspec.verify.checks import check_shapes
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
@@ -107,7 +108,7 @@ def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, program
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
                      params: SamplingParams, options: KernelOptions = DEFAULT) -> str | None:
     vocab = target_logits.shape[-1]
-    if target_logits.dim() == 3 and target_logits.shape[1] > MAX_GRID_Y:
+    if target_logits.shape[1] > MAX_GRID_Y:
         return f"draft lengths of {MAX_GRID_Y} tokens or more are not fused"
     if params.top_p < 1.0:
         return "top-p is not fused"
@@ -118,29 +119,18 @@ def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
     return unfused_input(target_logits, draft_logits, INTERPRET)
 
 
-def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-           draft_logits: torch.Tensor | None) -> None:
-    if target_logits.dim() != 3 or draft_tokens.dim() != 2:
-        raise ValueError("expected target_logits [B, γ+1, V] and draft_tokens [B, γ]")
-    b, g = draft_tokens.shape
-    if tuple(target_logits.shape[:2]) != (b, g + 1):
-        raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match "
-                         f"draft_tokens {tuple(draft_tokens.shape)}: need [B, γ+1, V]")
-    if draft_logits is not None and tuple(draft_logits.shape) != (b, g, target_logits.shape[2]):
-        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be [B, γ, V]")
-
-
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
            options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64)."""
+    """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64).
+    Shapes are checked here (host metadata only), values are not (flashspec.verify.checks)."""
+    check_shapes(target_logits, draft_tokens, draft_logits)
     reason = _fallback_reason(target_logits, draft_logits, params, options)
     if reason is not None:
         log_once(reason)
         return reference.verify(target_logits, draft_tokens, draft_logits, params, seed,
                                 temperature=temperature)
-    _check(target_logits, draft_tokens, draft_logits)
     out, nacc = launch(target_logits, draft_tokens, draft_logits, params, seed, temperature,
                        options=options)
     if target_logits.device.type == "cpu" and bool((nacc < 0).any()):
