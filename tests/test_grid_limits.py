@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from flashspec.tree import TreeDraft, compact_path
-from flashspec.verify import SamplingParams, get_backend, reference
+from flashspec.verify import SamplingParams, get_backend, reference, verify, verify_tree
 from flashspec.verify import triton_backend as tb
 from flashspec.verify.triton_host import MAX_GRID_Y
 
@@ -99,10 +99,10 @@ def greedy_logits(shape: tuple[int, ...], gen: torch.Generator, device: str) -> 
     return (torch.randn(shape, generator=gen, device=device) * 256).round() / 64
 
 
-def chain_case(batch: int, temp: float, gen: torch.Generator, gamma: int = 2, vocab: int = 1000):
+def chain_case(batch: int, temp: float, gen: torch.Generator, dev: str = "cuda", gamma: int = 2,
+               vocab: int = 1000):
     """(target logits, drafts, draft logits or None): greedy drafts near the target argmax;
     T = 1 drafts drawn from support-logit q."""
-    dev = "cuda"
     if temp == 0:
         x = greedy_logits((batch, gamma + 1, vocab), gen, dev)
         drafts = x[:, :gamma].argmax(-1)
@@ -117,10 +117,10 @@ def chain_case(batch: int, temp: float, gen: torch.Generator, gamma: int = 2, vo
     return x, drafts, q
 
 
-def tree_case(batch: int, temp: float, gen: torch.Generator, vocab: int = 1000):
+def tree_case(batch: int, temp: float, gen: torch.Generator, dev: str = "cuda",
+              vocab: int = 1000):
     """(target logits [B, 6, V], one-hot TreeDraft) of the tree 0 -> (1, 2), 1 -> (3, 4),
     3 -> 5: children are the top tokens of (target logits + noise) at their parent."""
-    dev = "cuda"
     parents = torch.tensor([-1, 0, 0, 1, 1, 3], device=dev)
     depth = torch.tensor([0, 1, 1, 2, 2, 3], device=dev)
     width = parents.numel()
@@ -157,7 +157,7 @@ def test_chain_verify_on_cuda_at_any_batch(batch, temp):
     x, drafts, q = chain_case(batch, temp, gen)
     params = SamplingParams(temp)
     want = get_backend("torch").verify(x, drafts, q, params, 17)
-    got = get_backend("triton").verify(x, drafts, q, params, 17)
+    got = verify(x, drafts, q, params, 17, backend="triton")         # the public entry
     assert mismatch(want, got) is None, mismatch(want, got)
     n = want[1]
     assert (n == 0).any() and (n > 0).any()          # accepts and rejections both occur
@@ -171,7 +171,7 @@ def test_tree_verify_on_cuda_at_any_batch(batch, temp):
     x, draft = tree_case(batch, temp, gen)
     params = SamplingParams(temp)
     want = get_backend("torch").verify_tree(x, draft, params, 23, depth=3)
-    got = get_backend("triton").verify_tree(x, draft, params, 23, depth=3)
+    got = verify_tree(x, draft, params, 23, backend="triton", depth=3)
     assert mismatch(want, got) is None, mismatch(want, got)
     assert (want[1] == 0).any() and (want[1] > 0).any()
 
