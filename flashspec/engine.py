@@ -111,6 +111,10 @@ class SpecEngine:
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
                  compile: bool = False, planner: WidthPlanner | None = None,
                  resident: bool = False, chunk: int = 1) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be flashspec.verify.SamplingParams, got "
+                            f"{type(params).__name__}; build one, e.g. "
+                            f"SamplingParams(temperature=0.7) (from a dict: SamplingParams(**d))")
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions

@@ -191,12 +191,14 @@ def keep_best(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
 def _compact_kernel(k_ptr, v_ptr, hid_ptr, out_ptr, path_ptr, len_ptr, s_hb, s_hn, C, LAYERS,
                     D: tl.constexpr, DP1: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
                     HDIM: tl.constexpr, DM: tl.constexpr, DMP: tl.constexpr):
-    """Program (l, b): l < 2 LAYERS moves layer l % LAYERS of K (l < LAYERS) or V of row b
-    (every head, the D path slots read before any is written); l = 2 LAYERS gathers row b's
-    hidden states of the root and the path."""
-    l = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    batch = tl.num_programs(1).to(tl.int64)
+    """Program l + (2 LAYERS + 1) b: l < 2 LAYERS moves layer l % LAYERS of K (l < LAYERS) or
+    V of row b (every head, the D path slots read before any is written); l = 2 LAYERS gathers
+    row b's hidden states of the root and the path. Rows and jobs share grid axis 0 (CUDA
+    allows 2^31 - 1 programs there, 65,535 on the others): any batch fits in the launch."""
+    jobs = 2 * LAYERS + 1
+    l = tl.program_id(0) % jobs
+    b = (tl.program_id(0) // jobs).to(tl.int64)
+    batch = (tl.num_programs(0) // jobs).to(tl.int64)
     n = tl.arange(0, DP1)
     # (the compiler wants a name bound in both branches of an `if` to have one type: the
     # branches' tiles have their own names)
@@ -239,7 +241,7 @@ def compact(k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, path: torch.
     if batch:
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
-        _compact_kernel[(2 * layers + 1, batch)](
+        _compact_kernel[((2 * layers + 1) * batch,)](
             k, v, hidden, out, path.contiguous(), lengths.contiguous(), hidden.stride(0),
             hidden.stride(1), capacity, layers, D=depth,
             DP1=triton.next_power_of_2(depth + 1), E=heads * hd,

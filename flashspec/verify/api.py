@@ -6,7 +6,9 @@ params, seed=0, temperature=None) -> (out_tokens [B, γ+1] padded with -1, n_acc
 and every backend returns the same tokens for the same inputs and seed. Its ``verify_tree`` has
 the tree reference's contract (:func:`flashspec.verify.tree.verify_tree`). Backends are built
 by a factory ``make(options: KernelOptions) -> Backend`` and looked up by name in
-:mod:`flashspec.verify.backends`.
+:mod:`flashspec.verify.backends`. A backend may take its inputs as valid: the public entries
+(:func:`flashspec.verify.verify`, :func:`flashspec.verify.verify_tree`) check them first
+(:mod:`flashspec.verify.checks`), and the engine builds them valid.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ FloatingPointError like the reference.
 
 What is not fused falls back to the reference with a logged reason (once per reason):
 top-p < 1, top-k > 256, top-k on CUDA (unless KernelOptions.fuse_topk_on_cuda), dtypes other than
-bf16/fp16/fp32, V >= 2^24, CPU tensors without Triton's interpreter (flashspec.options.interpreted).
+bf16/fp16/fp32, V >= 2^24, γ >= 65,535 (the positions' grid axis), CPU tensors without Triton's
+interpreter (flashspec.options.interpreted).
 
 Every switch comes in as a :class:`flashspec.options.KernelOptions` argument (``options=``);
 the module holds no switches of its own.
@@ -36,11 +37,12 @@ import torch
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import reference
 from flashspec.verify.api import Backend
+from flashspec.verify.checks import check_shapes
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
-from flashspec.verify.triton_host import (DTYPES, log_once, next_pow2, seed_args, unfused_input,
-                                         unit_rows)
+from flashspec.verify.triton_host import (DTYPES, MAX_GRID_Y, log_once, next_pow2, seed_args,
+                                         unfused_input, unit_rows)
 
 MAX_TOPK = 256
 INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
@@ -106,6 +108,8 @@ def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, program
 def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
                      params: SamplingParams, options: KernelOptions = DEFAULT) -> str | None:
     vocab = target_logits.shape[-1]
+    if target_logits.shape[1] > MAX_GRID_Y:
+        return f"draft lengths of {MAX_GRID_Y} tokens or more are not fused"
     if params.top_p < 1.0:
         return "top-p is not fused"
     if 0 < params.top_k < vocab and params.top_k > MAX_TOPK:
@@ -115,29 +119,18 @@ def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | N
     return unfused_input(target_logits, draft_logits, INTERPRET)
 
 
-def _check(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
-           draft_logits: torch.Tensor | None) -> None:
-    if target_logits.dim() != 3 or draft_tokens.dim() != 2:
-        raise ValueError("expected target_logits [B, γ+1, V] and draft_tokens [B, γ]")
-    b, g = draft_tokens.shape
-    if tuple(target_logits.shape[:2]) != (b, g + 1):
-        raise ValueError(f"target_logits {tuple(target_logits.shape)} does not match "
-                         f"draft_tokens {tuple(draft_tokens.shape)}: need [B, γ+1, V]")
-    if draft_logits is not None and tuple(draft_logits.shape) != (b, g, target_logits.shape[2]):
-        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} must be [B, γ, V]")
-
-
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
            options: KernelOptions = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64)."""
+    """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64).
+    Shapes are checked here (host metadata only), values are not (flashspec.verify.checks)."""
+    check_shapes(target_logits, draft_tokens, draft_logits)
     reason = _fallback_reason(target_logits, draft_logits, params, options)
     if reason is not None:
         log_once(reason)
         return reference.verify(target_logits, draft_tokens, draft_logits, params, seed,
                                 temperature=temperature)
-    _check(target_logits, draft_tokens, draft_logits)
     out, nacc = launch(target_logits, draft_tokens, draft_logits, params, seed, temperature,
                        options=options)
     if target_logits.device.type == "cpu" and bool((nacc < 0).any()):
@@ -187,14 +180,15 @@ def _slot(key: tuple, p: Plan, fused: bool, batch: int, gamma: int, vocab: int, 
     slot = _Slot(p, fused, nc, ncr, ws, cnt)
     common = dict(G=gamma, ROWS=p.rows, CHUNK=p.chunk)
     fuse_finish = fused or fuse_finish
-    slot.launches.append(("stats", K.stats_kernel, (nc, n_groups, gamma + 1), dict(
+    # row groups share grid axis 0 with the chunks (triton_kernels docstring: any batch fits)
+    slot.launches.append(("stats", K.stats_kernel, (nc * n_groups, gamma + 1, 1), dict(
         common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1),
         **flags, FUSED=fused, INTERPRET=INTERPRET), p.warps))
     if not fused:
         slot.launches.append(("decide", K.decide_kernel, (n_groups, 1, 1), dict(
             common, NC_P2=_bucket(nc), G_P2=next_pow2(gamma + 1), **flags,
             INTERPRET=INTERPRET), 4))
-    slot.launches.append(("race", K.race_kernel, (ncr, n_groups, 1), dict(
+    slot.launches.append(("race", K.race_kernel, (ncr * n_groups, 1, 1), dict(
         common, RCHUNK=p.rchunk, NB_P2=_bucket(nb), **flags, FUSED=fuse_finish,
         INTERPRET=INTERPRET), p.rwarps))
     if not fuse_finish:
@@ -301,7 +295,7 @@ def _launch_topk(p: Plan, tgt: torch.Tensor, drf: torch.Tensor, has_q: bool, tem
         if is_q and not has_q:
             continue
         groups = -(-batch * npos // rows)
-        K.topk_cand_kernel[(nct, groups)](
+        K.topk_cand_kernel[(nct * groups,)](
             src, src.stride(0), src.stride(1), temp_ptr, temp, ws, batch, vocab, nc, nct,
             G=gamma, IS_Q=is_q, KP2=kp2, BLOCK=block, ROWS=rows, ROW_TEMP=row_temp,
             num_warps=8)

@@ -9,6 +9,9 @@ import torch
 log = logging.getLogger("flashspec.verify.triton")
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# CUDA's limit on programs along grid axes 1 and 2 (axis 0 takes 2^31 - 1): launches keep
+# anything that grows with the batch on axis 0
+MAX_GRID_Y = 65535
 LOGGED: set[str] = set()
 _DUMMY_SEED: dict[torch.device, torch.Tensor] = {}
 

@@ -1,6 +1,6 @@
 """Triton kernels of fused exact verification (contract: flashspec.verify.triton_backend.verify).
 
-Two passes over the logits, each a 2-D grid (vocabulary chunk, row group[, position]):
+Two passes over the logits, each a grid over (vocabulary chunk, row group[, position]):
 
 1. ``stats_kernel``: per (row, position, chunk) the max, the log-sum-exp partial sum
    (temperature applied, top-k mask applied) and the first argmax of p, and the same (no
@@ -21,6 +21,12 @@ batch row (t_sb, d_sb are the batch strides), tokens are a contiguous [B, G] ten
 ``out`` is one int64 buffer holding the tokens [B, G+1] then n_accepted [B]. Chunk and block
 counts are derived in the kernels (cdiv(V, CHUNK), cdiv(V, RBLK)); RCHUNK is RBLK times a
 power of two.
+
+Grids: CUDA allows 2^31 - 1 programs on grid axis 0 but only 65,535 on axes 1 and 2, so the
+row group, which grows with the batch, shares axis 0 with the vocabulary chunk (program
+c + NC * g: chunks fastest, the launch order of a (chunk, group) grid) and axis 1 holds only
+the position j (γ + 1 programs; longer drafts fall back to the reference). Any batch then fits
+in one launch, with no launch added for small batches.
 
 Random numbers are ``flashspec.verify.rng.uniform`` ported to uint32 arithmetic. On the GPU
 the transcendental functions of the race are libdevice's (the ones torch's CUDA kernels
@@ -333,10 +339,10 @@ def stats_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed
     Rows are [G+1, V] (target) and [G, V] (draft) blocks with unit inner strides; t_sb and
     d_sb are the batch strides. With FUSED the last program of a row group decides.
     """
-    c = tl.program_id(0)
-    g = tl.program_id(1)
-    j = tl.program_id(2)
     NC = tl.cdiv(V, CHUNK)
+    c = tl.program_id(0) % NC              # chunk and row group share axis 0 (module docstring)
+    g = tl.program_id(0) // NC
+    j = tl.program_id(1)
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     rows = g * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
@@ -458,8 +464,9 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
     fallback). A streaming reduction: the chunk is one [NBLK, RBLK] tile (all its loads in
     flight together), no random numbers. With FUSED the last program of a row group draws the
     tokens (``_draw``)."""
-    c = tl.program_id(0)
-    g = tl.program_id(1)
+    NCR = tl.cdiv(V, RCHUNK)
+    c = tl.program_id(0) % NCR             # chunk and row group share axis 0 (module docstring)
+    g = tl.program_id(0) // NCR
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, tl.cdiv(V, CHUNK), V)
     NB = tl.cdiv(V, RBLK)
     (rows, need, j, r, is_res, tgt_rows, drf_rows, scale, Mp, lSp, Mq, lSq, thp, thq,
@@ -487,9 +494,9 @@ def race_kernel(tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_
         tl.store(ws + race + B * NB + dst, tl.sum(p, 2), mask=bm)
     if FUSED:
         tl.debug_barrier()
-        counter = cnt + tl.num_programs(1) + g
+        counter = cnt + tl.cdiv(B, ROWS) + g
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
+        if done == NCR - 1:
             _draw(g, tgt, t_sb, drf, d_sb, tok, temp_ptr, temp, seed_ptr, seed, seed_mode, ws,
                   out, B, V, G, ROWS, CHUNK, NB_P2, HAS_Q, TOPK, ROW_TEMP, INTERPRET)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -570,8 +577,8 @@ def topk_cand_kernel(src, s_sb, s_sj, temp_ptr, temp, ws, B, V, NC, NCT,
 
     The union over tiles of these candidates has the same k-th largest value as the row.
     """
-    c = tl.program_id(0)
-    g = tl.program_id(1)
+    c = tl.program_id(0) % NCT             # tile and row group share axis 0 (module docstring)
+    g = tl.program_id(0) // NCT
     p_m, p_s, p_i, q_m, q_s, rowstat, thr_p, thr_q, race, cand = _layout(B, G, NC, V)
     NPOS: tl.constexpr = G if IS_Q else G + 1
     first = B * (G + 1) if IS_Q else 0

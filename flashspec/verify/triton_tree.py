@@ -34,6 +34,7 @@ import triton.language as tl
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.tree import TreeDraft
 from flashspec.verify import tree as reference_tree
+from flashspec.verify.checks import check_tree_shapes
 from flashspec.verify.sampling import SamplingParams
 from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unfused_input, unit_rows
 from flashspec.verify.triton_kernels import (BIG_IDX, FLT_MAX, NEG_INF, POS_INF, RBLK, _exp,
@@ -307,30 +308,17 @@ def _fallback_reason(target_logits: torch.Tensor, draft: TreeDraft,
     return unfused_input(target_logits, draft.logits, INTERPRET)
 
 
-def _check(target_logits: torch.Tensor, draft: TreeDraft) -> None:
-    if target_logits.dim() != 3:
-        raise ValueError("expected target_logits [B, N + 1, V]")
-    shape = tuple(target_logits.shape[:2])
-    for name, t in (("tokens", draft.tokens), ("parents", draft.parents), ("depth", draft.depth)):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"draft {name} {tuple(t.shape)} does not match target_logits "
-                             f"{tuple(target_logits.shape)}: need [B, N + 1]")
-    if draft.logits is not None and draft.logits.shape != target_logits.shape:
-        raise ValueError(f"draft logits {tuple(draft.logits.shape)} must be [B, N + 1, V] "
-                         f"like target_logits {tuple(target_logits.shape)}")
-
-
 def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
                 seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
                 depth: int | None = None, options: KernelOptions = DEFAULT
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused tree verification: (out [B, D + 1], n_accepted [B], path [B, D]) as the reference.
     ``depth`` is D (the deepest node; read from the draft, a host sync, when not given)."""
+    check_tree_shapes(target_logits, draft)
     reason = _fallback_reason(target_logits, draft, params)
     if reason is not None:
         log_once(reason)
         return reference_tree.verify_tree(target_logits, draft, params, seed, temperature, depth)
-    _check(target_logits, draft)
     out, nacc, path = launch(target_logits, draft, params, seed, temperature,
                              int(draft.depth.max()) if depth is None else depth)
     if target_logits.device.type == "cpu" and bool((nacc < 0).any()):
