@@ -210,21 +210,6 @@ class TreeAttention:
         return tree_mask(unpack_bits(self.bits, 64 * self.bits.shape[-1]), self.lengths,
                          self.span)
 
-    @cached_property
-    def path(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(count [B, q] int32, slots [B, q, 64 W] int32): how many nodes each query's path has
-        (the root .. the query, the set bits of its mask) and their cache slots ``base + j``
-        in root-to-query order, which is node-id order since parents precede children. The
-        fused attention reads a node's keys through it in the order an AR step would."""
-        width = 64 * self.bits.shape[-1]
-        on = unpack_bits(self.bits, width)                                  # [B, q, width]
-        rank = on.long().cumsum(-1) - 1
-        ids = torch.arange(width, device=self.bits.device).expand_as(rank)
-        table = torch.zeros(*on.shape[:-1], width + 1, dtype=torch.long, device=self.bits.device)
-        table.scatter_(-1, torch.where(on, rank, width), ids)               # off bits: a dump column
-        slots = (self.base[:, None, None] + table[..., :width]).to(torch.int32)
-        return on.sum(-1).to(torch.int32), slots.contiguous()
-
 
 def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:

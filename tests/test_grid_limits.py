@@ -61,7 +61,7 @@ def test_gpu_plan_grids_fit_cuda_limits(batch, fused):
 
 def test_long_drafts_fall_back_to_the_reference():
     """γ + 1 positions sit on grid axis 1: longer drafts than it holds go to the reference."""
-    x = torch.zeros(1, MAX_GRID_Y + 1, 2)
+    x = torch.zeros(1, MAX_GRID_Y + 1, 2, device="cuda" if torch.cuda.is_available() else "cpu")
     assert "draft lengths" in tb._fallback_reason(x, None, SamplingParams(1.0))
     assert tb._fallback_reason(x[:, :MAX_GRID_Y], None, SamplingParams(1.0)) is None
 

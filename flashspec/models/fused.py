@@ -169,43 +169,41 @@ def _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen, scale, s_ks,
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o_ptr, n,
-                             capacity, scale, s_kb, s_kh, s_ks, s_path,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o_ptr, n,
+                             capacity, scale, s_kb, s_kh, s_ks,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             TREE: tl.constexpr, NPP: tl.constexpr, HB: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             TREE: tl.constexpr, NW: tl.constexpr, BLOCK_W: tl.constexpr,
+                             HB: tl.constexpr, IEEE: tl.constexpr):
     """Chain (program (b * HKV + kv head, query block)): the G = H / HKV query heads of one kv
     head for all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max
     position; a query at position p sees slots <= p.
 
-    TREE (program (b * HKV + kv head, node group * HB + head block)): NPP nodes, the G query
-    heads of each in consecutive rows (HB blocks of heads when G > BLOCK_M). pos_ptr[b, t]
-    holds how many nodes the path of node t has (the root .. t) and path_ptr[b, t, :] their
-    cache slots in root-to-node order; a node attends the committed prefix (slots below
-    base_ptr[b]) and then its path: the sequence an AR step at the node's position sees. Key
-    lane s of that sequence reads slot s below the base and the path's slot s - base above
-    it, in the AR step's blocks, so each node rounds as that AR step does (a greedy tree
-    reproduces AR bit for bit). Key blocks wholly below the base are the same for every node
-    and are read once; a block that reaches the tree is attended once per node, each pass
-    masked to that node's rows (rows that see no key of a block come out of it unchanged, the
-    same exact no-op that lets a chain step's rows share blocks past their own position).
-    q and o are [B, n, H, D] contiguous."""
+    TREE (program (b * HKV + kv head, node t * HB + head block)): one node, its query heads in
+    rows 0 .. G - 1 (HB blocks of BLOCK_M heads when G > BLOCK_M), as an AR step lays out its
+    one token. Bit j of the node's NW-word mask bits_ptr[b, t, :] marks node j (at cache slot
+    base + j, base = base_ptr[b]) as the node itself or an ancestor; parents precede children,
+    so the set bits in order are its path, root first. The node attends the committed prefix
+    (slots below base) and then its path: key lane s reads slot s below base and the slot of
+    the path's (s - base)-th node above it, the sequence that the AR step at the node's
+    position sees, in that step's key blocks. Every block, lane and reduction is the AR
+    step's, so a greedy tree reproduces AR bit for bit. q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
     r = tl.arange(0, BLOCK_M)
     if TREE:
-        first = (tl.program_id(1) // HB) * NPP
-        node = first + r // G
-        g = (tl.program_id(1) % HB) * BLOCK_M + r % G
-        valid = (r < NPP * G) & (g < G) & (node < n)
+        t = (tl.program_id(1) // HB).to(tl.int64)
+        g = (tl.program_id(1) % HB) * BLOCK_M + r
+        valid = g < G
         h = kvh * G + g
         base = tl.load(base_ptr + b)
-        count = tl.load(pos_ptr + b * n + node, mask=valid, other=0)
-        hi_row = tl.where(valid, tl.minimum(base + count, capacity), 0)
-        hi = tl.max(hi_row, axis=0).to(tl.int32)
-        qo = (b * n + node)[:, None] * (H * D) + h[:, None] * D
+        j = tl.arange(0, BLOCK_W)
+        word = tl.load(bits_ptr + (b * n + t) * NW + j // 64, mask=j < 64 * NW, other=0)
+        bit = ((word >> (j % 64).to(tl.int64)) & 1).to(tl.int32)
+        rank = tl.cumsum(bit, 0)                     # path length up to and including node j
+        hi = tl.minimum(base + tl.sum(bit, 0), capacity).to(tl.int32)
+        qo = (b * n + t) * (H * D) + h[:, None] * D
     else:
         m = tl.program_id(1) * BLOCK_M + r
         t = m // G
@@ -226,26 +224,18 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o
     for start in range(0, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         if TREE:
-            if start + BLOCK_N <= base:
-                seen = s[None, :] < hi_row[:, None]
-                m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, s, d, dmask, hi, seen,
-                                              scale, s_ks, m_i, l_i, acc, IEEE)
-            else:
-                for j in tl.static_range(NPP):
-                    nj = first + j
-                    hj = tl.minimum(base + tl.load(pos_ptr + b * n + nj, mask=nj < n, other=0),
-                                    capacity)
-                    rel = s - base
-                    on_path = (rel >= 0) & (s < hj)
-                    slot = tl.where(on_path, tl.load(path_ptr + (b * n + nj) * s_path + rel,
-                                                     mask=on_path, other=0), s)
-                    seen = (valid & (node == nj))[:, None] & (s < hj)[None, :]
-                    m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi,
-                                                  seen, scale, s_ks, m_i, l_i, acc, IEEE)
+            slot = s
+            if start + BLOCK_N > base:               # the block reaches the path
+                step = s - base + 1                  # lane s holds the path's step-th node
+                hit = (rank[None, :] == step[:, None]) & (bit[None, :] != 0)
+                node = tl.sum(tl.where(hit, j[None, :], 0), axis=1)
+                slot = tl.where(step >= 1, base + node, s)
+            seen = valid[:, None] & (s < hi)[None, :]
         else:
+            slot = s
             seen = s[None, :] <= pos[:, None]
-            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, s, d, dmask, hi, seen, scale,
-                                          s_ks, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen, scale,
+                                      s_ks, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + qo, out.to(o_ptr.dtype.element_ty), mask=qmask)
 
@@ -363,30 +353,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ieee = q.dtype == torch.float32
     # An AR step is one token: its G query rows fit a 16-row block whenever G <= 64. A tree
     # node must use that same block and key block, whatever the node count.
-    nodes_per_program, head_blocks = 1, 1
+    head_blocks = 1
     if tree is not None:
         block_m = AR_BLOCK_M if group <= 64 else 64
-        if group <= block_m:
-            nodes_per_program = block_m // group
-        else:
-            head_blocks = triton.cdiv(group, block_m)
-        grid = (b * kv_heads, triton.cdiv(n, nodes_per_program) * head_blocks)
-        lengths, path = tree.path
-        pos_arg, path_arg, base_arg, s_path = lengths, path, tree.base, path.stride(1)
+        head_blocks = triton.cdiv(group, block_m)
+        grid = (b * kv_heads, n * head_blocks)
+        positions, words = tree.slots, tree.bits.shape[-1]
     else:
         # chain steps of up to 64 query rows take blocks of 16 rows: more programs in flight
         # than one long program per kv head
         block_m = block_m or (AR_BLOCK_M if n * group <= 64 else 64)
         grid = (b * kv_heads, triton.cdiv(n * group, block_m))
-        pos_arg = path_arg = base_arg = positions
-        s_path = 0
     out = torch.empty_like(q) if out is None else out
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, pos_arg, path_arg, base_arg, out, n, capacity,
-        1.0 / math.sqrt(head_dim), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), s_path,
+        q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
+        positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         H=heads, HKV=kv_heads, G=group, D=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n or (32 if ieee else 128), BLOCK_D=max(16, _pow2(head_dim)),
-        TREE=tree is not None, NPP=nodes_per_program, HB=head_blocks, IEEE=ieee,
+        TREE=tree is not None, NW=1 if tree is None else words,
+        BLOCK_W=64 if tree is None else 64 * _pow2(words), HB=head_blocks, IEEE=ieee,
         num_warps=warps)
     return out
 
