@@ -332,15 +332,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
     and itself. Returns [B, n, H, D]. ``block_m`` (query rows), ``block_n`` (key slots) and
     ``warps`` per program: the launch geometry (defaults: the ones the decode steps use; 16-bit
-    chain queries take 128 key slots a block, 1.2x faster than 64 on an H200 at 256 cached
-    tokens and 1.3x at 1024, where tree queries were slower with 128 below 512 tokens)."""
+    chain queries take 128 key slots a block, which timed faster than 64 for them, while tree
+    queries over short caches were faster with 64)."""
     b, n, heads, head_dim = q.shape
     q = q.contiguous()
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     rows = n * (heads // kv_heads)
     # decode steps (up to 64 query rows: a draft tree of 16 nodes × 3 query heads per kv head)
     # take blocks of 16 rows: more programs in flight instead of one long program per kv head
-    # (a 64-row block made a tree step's attention 3x a chain step's per call on the H200)
+    # (a 64-row block made a tree step's attention several times a chain step's per call)
     block_m = block_m or (16 if rows <= 64 else 64)
     ieee = q.dtype == torch.float32
     out = torch.empty_like(q)
