@@ -2,8 +2,9 @@
 replacement) with their log-probabilities over a wide vocabulary, each in two small Triton
 kernels (drafting on a GPU).
 
-``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction, about 13 µs on
-an H200: the slowest kernel of a greedy EAGLE draft pass. A sampled draft was worse: the
+``torch.argmax`` of one [1, 49152] bf16 row runs as a single-block reduction, which leaves
+most of a GPU idle and was the slowest kernel of a greedy EAGLE draft pass. A sampled draft was
+worse: the
 counter-based uniforms of :mod:`flashspec.verify.rng` cost a dozen int64 element-wise kernels
 over the row, then two logs, a subtraction and the argmax. Here every program reduces one block
 of ``BLOCK`` columns of a row to its (max, first index of the max), computing the Gumbel keys

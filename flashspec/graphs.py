@@ -207,9 +207,8 @@ class GraphCache:
 
 class Prefill:
     """The prompt prefill of a static cache, replayed from one CUDA graph per (batch, width
-    bucket). Run eagerly, a prefill launches every kernel of every layer from Python: about
-    13 ms for a 160-token prompt on SmolLM2-135M on the H200, where a whole resident decode
-    step replays in about 1 ms.
+    bucket). Run eagerly, a prefill launches every kernel of every layer from Python, which for
+    a small model costs as much as many replayed decode steps.
 
     The window is padded on the right to a multiple of ``bucket`` tokens. The padding's K/V
     land in cache slots past the prompt, which the decode steps rewrite before any query

@@ -3,10 +3,9 @@ machine runs faster.
 
 On CPU BLAS, ``x @ Wᵀ`` with a handful of rows (the shape of decode and verify steps) may take
 a packing, compute-bound path, and a single row a one-thread matrix-vector path, while
-``W @ xᵀ`` with at least two columns streams the weight once over all threads. On one 2-core box
-(MKL) the transposed form halved SmolLM2's AR step (38 -> 21 ms) and the 5-token verify
-(58 -> 35 ms) in float32, while for bfloat16 oneDNN's own path was faster (~20 vs ~33 ms). Which
-form wins depends on the BLAS, the CPU and the thread count, so it is not fixed here: the first
+``W @ xᵀ`` with at least two columns streams the weight once over all threads. With MKL in
+float32 the transposed form wins by a wide margin at decode shapes, while for bfloat16 oneDNN's
+own path can win. Which form wins depends on the BLAS, the CPU and the thread count, so it is not fixed here: the first
 product of each (rows class, weight shape, dtype) times both forms for a few milliseconds and
 keeps the faster, and the choices are cached per machine in
 ``<cache_root>/matmul/<machine key>.json`` (CPU model, core and thread count, torch version).
@@ -62,7 +61,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _wxt(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          ) -> torch.Tensor:
     # row-major rows, so that cols.T is the column-major operand BLAS streams W against (a
-    # transposed input, e.g. an elementwise product of two earlier outputs, would be 4x slower)
+    # transposed input, e.g. an elementwise product of two earlier outputs, takes a much slower path)
     rows = flat.shape[0]
     flat = flat.contiguous()
     cols = flat.repeat(2, 1) if rows == 1 else flat  # a contiguous second column, not a view

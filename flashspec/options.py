@@ -23,9 +23,9 @@ from dataclasses import dataclass
 class KernelOptions:
     """Switches of the Triton verify kernels and the low-rank head kernel.
 
-    fuse_topk_on_cuda: run top-k warps (k <= 256) through the fused verify on CUDA. Off: on an
-        H200 the fused top-k path disagreed with the reference on 0.2-0.4 % of rows at B=64
-        (top-k 20/50), so top-k on CUDA falls back to the reference (exact by definition).
+    fuse_topk_on_cuda: run top-k warps (k <= 256) through the fused verify on CUDA. Off: on
+        the GPU the fused top-k path disagreed with the reference on some rows (RESULTS.md,
+        fused top-k on CUDA), so top-k on CUDA falls back to the reference (exact by definition).
         The interpreter (CPU) always fuses top-k.
     fuse_merges: merge the per-chunk statistics in the last program of each row group (atomic
         counters) instead of a separate decide kernel; None lets the launch plan choose
@@ -38,8 +38,7 @@ class KernelOptions:
         of a shape; CUDA only (ignored by the interpreter). Opt-in: it relies on Triton's
         launcher convention (all parameters, constexprs included, in signature order).
     head_triton: the low-rank head's up projection runs the Triton skinny matmul on CUDA
-        (<= 16 rows, no autograd). Off: on an H200 cuBLAS was faster (44.7 vs 52.0 us at
-        V=128256, r=512; experiments/results/head_bench/h200_triton/).
+        (<= 16 rows, no autograd). Off: where it was timed, cuBLAS was faster (RESULTS.md).
     """
 
     fuse_topk_on_cuda: bool = False

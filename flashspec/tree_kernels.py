@@ -3,9 +3,9 @@ for a dynamic tree's final choice of nodes, one program per row.
 
 In torch, each depth of a tree's growth (new node ids, tokens, parents, depths, cumulative
 scores, ancestor bitmasks, the next frontier and its gathers) is about thirty small kernels,
-and a dynamic tree's final selection and renumbering twenty more. A dyn10d5k2 step on an H200
-ran 730 kernels against a chain's 460, and at this model size a step's time follows its kernel
-count. Here each is a single launch. The results equal the torch path's exactly (same float32
+and a dynamic tree's final selection and renumbering twenty more, so a tree step launched far
+more kernels than a chain step, and at this model size a step's time follows its kernel count.
+Here each is a single launch. The results equal the torch path's exactly (same float32
 sums and minima; ties go to the smaller node id, as a stable descending sort gives), except
 that a sampled dynamic tree's ranks take an exp and a log, which a GPU may round differently
 from torch (interpreted on the CPU they agree).

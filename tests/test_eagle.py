@@ -26,7 +26,7 @@ from flashspec.training.train import Batch, TrainConfig, build_module, forward_p
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ROOT / "checkpoints" / "smollm2_eagle.safetensors"
 N_NEW = 32
-# The trained checkpoint is committed by `python run.py experiment=train_drafter` (see README);
+# The trained checkpoint is committed by `python run.py experiment=train_drafter` (see docs/drafter-training.md);
 # until it is in the tree, the tests that need a *trained* drafter cannot run.
 needs_ckpt = pytest.mark.skipif(not CKPT.exists(), reason=f"no committed checkpoint at {CKPT}")
 

@@ -1,12 +1,16 @@
-"""experiments/results/ holds only the records listed in its manifest, and stays small.
+"""experiments/results/ holds only the records listed in its manifest, stays small, and is what
+RESULTS.md and README's headline table say.
 
-manifest.yaml maps README claims to run directories (with commit and command); every listed run
-must exist, every file under experiments/results/ must belong to a listed run, every claim must
-name listed runs, MANIFEST.md must be the YAML's rendering, and the tracked size stays under the bar.
+manifest.yaml maps claims to run directories (with commit and command); every listed run must
+exist, every file under experiments/results/ must belong to a listed run, every claim must name
+listed runs, every selector must read its value from the records, and RESULTS.md and README's
+headline block must be the manifest's rendering byte for byte (scripts/results_page.py), so no
+published number is typed by hand where a selector reads it.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -17,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
-MANIFEST_FILES = {"manifest.yaml", "MANIFEST.md"}
+MANIFEST_FILES = {"manifest.yaml"}
 SHA = re.compile(r"^[0-9a-f]{40}(-dirty)?$")
 
 
@@ -91,23 +95,85 @@ def test_claims_name_listed_runs(manifest):
     runs = {r["run"] for r in manifest["runs"]}
     used = set()
     for c in manifest["claims"]:
-        assert c["readme"].strip() and c["claim"].strip()
+        assert c["topic"].strip() and c["claim"].strip()
         assert c["runs"] and set(c["runs"]) <= runs, c
         used.update(c["runs"])
-    assert used == runs, f"runs behind no README claim: {sorted(runs - used)}"
+    assert used == runs, f"runs behind no claim: {sorted(runs - used)}"
 
 
-def test_readme_points_at_the_manifest():
-    readme = (ROOT / "README.md").read_text()
-    assert "experiments/results/MANIFEST.md" in readme and "lab-notebook" in readme
-
-
-def test_markdown_is_the_rendering_of_the_yaml(manifest):
-    spec = importlib.util.spec_from_file_location("manifest_md", ROOT / "scripts" / "manifest_md.py")
+def _results_page():
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert (RESULTS / "MANIFEST.md").read_text() == mod.render(manifest), \
-        "MANIFEST.md is stale: python scripts/manifest_md.py"
+    return mod
+
+
+def test_readme_points_at_the_results_page():
+    readme = (ROOT / "README.md").read_text()
+    assert "RESULTS.md" in readme and "lab-notebook" in (ROOT / "RESULTS.md").read_text()
+
+
+def test_results_page_is_the_rendering_of_the_manifest(manifest):
+    page = _results_page()
+    assert (ROOT / "RESULTS.md").read_text() == page.render(manifest), \
+        "RESULTS.md is stale: python scripts/results_page.py"
+
+
+def test_readme_headline_is_the_rendering_of_the_manifest(manifest):
+    page = _results_page()
+    readme = (ROOT / "README.md").read_text()
+    assert readme == page.with_headline(readme, manifest), \
+        "README.md's headline table is stale: python scripts/results_page.py"
+
+
+def _selectors(manifest: dict) -> list[tuple[str, dict]]:
+    out = [(f"headline {row['label']}", cell) for row in manifest["headline"]["rows"]
+           for cell in row["cells"] if cell is not None]
+    for c in manifest["claims"]:
+        out += [(f"{c['topic']}: {name}", spec) for name, spec in (c.get("values") or {}).items()]
+    return out
+
+
+def test_every_selector_reads_its_records(manifest):
+    """Each value is read from a listed run's records, one record per value where agg is one."""
+    page = _results_page()
+    runs = {r["run"] for r in manifest["runs"]}
+    selectors = _selectors(manifest)
+    assert selectors, "no selector: the headline must be read from records"
+    for where, spec in selectors:
+        assert spec["run"] in runs, (where, spec["run"])
+        values = page.measure(spec)
+        assert values and all(v == v for v in values), where
+    for c in manifest["claims"]:
+        names = set(re.findall(r"{(\w+)}", c["claim"]))
+        assert names == set(c.get("values") or {}), f"{c['topic']}: placeholders {names} vs values"
+    for row in manifest["headline"]["rows"]:
+        assert row["hardware"] in manifest["hardware"] and len(row["cells"]) == len(manifest["headline"]["columns"])
+    assert {c["hardware"] for c in manifest["claims"]} <= set(manifest["hardware"])
+    assert {c["section"] for c in manifest["claims"]} <= {s["id"] for s in manifest["sections"]}
+
+
+def test_a_selector_is_the_record_value(manifest):
+    """A headline figure is the record's own value, and a changed record changes the rendering."""
+    page = _results_page()
+    spec = {"run": "decode_cpu/main_job_v4", "file": "job_metrics.json", "field": "ar/tps", "digits": 2}
+    metrics = json.loads((RESULTS / "decode_cpu/main_job_v4/job_metrics.json").read_text())
+    assert page.value_text(spec) == f"{metrics['ar/tps']:.2f}"
+    with pytest.raises(page.SelectorError):
+        page.measure({**spec, "field": "ar/no_such_metric"})
+    ratio = {"run": "resident_draft_ahead", "file": "bench_seed2468.jsonl", "where": {"cell": "he_b1",
+             "method": "tree_dyn15d6k4_res"}, "field": "tps", "over": {"method": "ar_res"}}
+    rows = [json.loads(line) for line in (RESULTS / "resident_draft_ahead/bench_seed2468.jsonl").read_text().splitlines()]
+    tps = {r["method"]: r["tps"] for r in rows if r.get("cell") == "he_b1" and "method" in r}
+    assert page.measure(ratio) == [tps["tree_dyn15d6k4_res"] / tps["ar_res"]]
+    with pytest.raises(page.SelectorError):   # the cell holds several methods: agg one wants one
+        page.measure({**ratio, "where": {"cell": "he_b1"}})
+
+
+def test_figures_exist(manifest):
+    sections = {s["id"] for s in manifest["sections"]}
+    for f in manifest.get("figures") or []:
+        assert f["section"] in sections and (RESULTS / f["path"]).is_file(), f
 
 
 def test_tracked_size_under_the_bar(manifest):

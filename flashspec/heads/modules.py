@@ -81,9 +81,8 @@ class LowRankHead(nn.Module):
 
     Opt in (``use_triton=True``, from ``KernelOptions.head_triton``): on CUDA with at most 16
     rows and no autograd, the up projection (small r, huge V) runs a Triton kernel
-    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS. Off by default: on an H200
-    (CUDA-graph timing, B=1, bf16) cuBLAS was faster (44.7 vs 52.0 us at V=128256, r=512;
-    22 vs 39 us at r=128; experiments/results/head_bench/h200_triton/).
+    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS. Off by default: where it was
+    timed, cuBLAS's two matmuls beat it (RESULTS.md, low-rank heads).
     """
 
     kind = "lowrank"

@@ -110,9 +110,8 @@ class Linear(nn.Linear):
 
 # SDPA backends of the reference blocks' masked attention (entered once per forward by
 # run_layers and the EAGLE module). cuDNN is left out: it builds a plan per new (queries, keys)
-# shape and eager steps change the key span every step; in an H200 profile of the eager tree
-# step at T = 1 its calls took 1.05 ms of host time each (43 % of the step's CPU time), the
-# math path 0.54 ms. The eager tree step stays launch bound either way (~3,000 kernels a step).
+# shape and eager steps change the key span every step, so its host time per call exceeded
+# the math path's in a profile of the eager tree step. That step stays launch bound either way.
 MASKED_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 

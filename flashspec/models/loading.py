@@ -76,8 +76,8 @@ def smollm2_dir() -> Path:
 
 # GGUF conversions are cached by content, not by file name: the cache folder is
 # ``<cache_root>/<stem>-<first 16 hex of sha256>`` and holds ``source.json`` with the file's size
-# and full sha256. The whole file is hashed (streamed, ~0.5 s for SmolLM2's 98 MB, once per
-# process and file): a partial hash (first/last MiB) would miss two quantisations that differ
+# and full sha256. The whole file is hashed (streamed, once per process and file; cheap
+# against a conversion): a partial hash (first/last MiB) would miss two quantisations that differ
 # only in the middle. A folder whose stamp is missing or differs (an interrupted conversion, a
 # prefix collision) is stale and rebuilt.
 STAMP = "source.json"
@@ -141,7 +141,7 @@ def convert_gguf(gguf: Path, out: Path, key: dict[str, object] | None = None) ->
     (with a ``source.json`` stamp naming the GGUF's size and sha256)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     key = key or gguf_key(gguf)
-    log.info("converting %s -> %s (once; ~25 s)", gguf, out)
+    log.info("converting %s -> %s (once per file)", gguf, out)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,

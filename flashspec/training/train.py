@@ -58,7 +58,7 @@ class TrainConfig:
     detach_unroll: bool = False
     w_kl: float = 1.0
     w_reg: float = 1.0
-    kl_from_step: int = 0           # regression only (no head: ~4x cheaper steps) before this
+    kl_from_step: int = 0           # regression only (no head: much cheaper steps) before this
     reg: str = "smooth_l1"          # smooth_l1 on features | logit_mse: mean squared logit error
     noise: float = 0.0              # N(0, noise) added to the true input features
     loss_on: str = "response"       # response | all : positions that get the KL term

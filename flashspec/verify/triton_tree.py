@@ -8,7 +8,7 @@ masses, which can only matter when a log-space test or a race is decided by ~1e-
    siblings were sampled) one streaming pass over V: max/T, log Σ exp, the first argmax and a
    poison flag (NaN/+inf, a row of only -inf, x/T overflowing). Every node in parallel, and on
    a GPU each node's vocabulary in STAT_SPLITS programs, which ``tree_stats_merge_kernel``
-   combines (a lone 49k-wide row streamed by one program took 20 µs on an H200).
+   combines (a lone vocabulary-wide row streamed by one program is latency bound).
 2. ``tree_walk_kernel``: per row group, the walk down the tree of the recursive rejection rule.
    At a node its children are tested in sibling order; the residual after rejected siblings
    is never materialised: it is a function of p(v), q(v) and, per rejected sibling j, the
@@ -359,7 +359,7 @@ def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams
         rows_s, rows_w, chunk = 1, 1, 2048
         splits = splits or STAT_SPLITS
     splits = min(splits, triton.cdiv(vocab, chunk))
-    # merge: the interpreter pays per program (64-row programs made it 53 of a 68 s tree gate)
+    # merge: the interpreter pays per program (64-row programs made it most of a tree gate's time)
     rows_m = min(next_pow2(batch * width), (1 << 20) // next_pow2(splits) if INTERPRET else 64)
     span = triton.cdiv(triton.cdiv(vocab, chunk), splits) * chunk
     part = torch.empty(batch * width * splits * N_STAT, dtype=torch.float32, device=dev)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU fast path end to end on the lent H200 (no network, no hydra/datasets/wandb: hydra,
 # omegaconf and antlr4 travel as pure-Python copies in .whl/site, gguf as a wheel in .whl/;
-# the SmolLM2 GGUF travels in two halves, see README "GPU").
+# the SmolLM2 GGUF travels in two halves).
 #   bash scripts/device/decode_bench.sh part1      # copies .device/gguf/part00 to /dev/shm and
 #                                                  # runs scripts/device/engine_check.py (graphs)
 #   bash scripts/device/decode_bench.sh            # joins part01; checks; decode runs
