@@ -395,11 +395,7 @@ def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode every prompt with every method; returns the summary rows and the job metrics."""
     torch.manual_seed(int(cfg.seed))
-    exp = cfg.experiment
-    for key in ("batch_size", "timing_iters", "hf_prompt_lookup_tokens"):
-        value = exp.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FlashSpecError(f"experiment.{key}={value!r}; it must be a positive int")
+    exp = cfg.experiment   # values typed and in range: experiments.schema, checked at composition
     params = SamplingParams(float(exp.temperature), int(exp.top_k), float(exp.top_p))
     dataset = prompt_set(cfg)
     max_new = 8 if cfg.smoke else dataset.max_new_tokens

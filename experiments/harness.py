@@ -31,6 +31,8 @@ from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
                                provenance)
 from flashspec.verify import get_backend
+from flashspec.verify.sampling import SamplingParams
+from experiments.schema import check_config
 
 log = logging.getLogger("flashspec")
 
@@ -92,9 +94,17 @@ def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShap
         pairs = [(name, g) for name in (cfg_drafters.get("drafters") or {})
                  for g in cfg_drafters.get("gammas", [4])]
     out = []
-    for name, how in pairs:
-        if isinstance(how, bool):
-            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma")
+    for pair in pairs:
+        if isinstance(pair, str) or len(pair) != 2:
+            raise FlashSpecError(f"drafters.arms: {pair!r} is not a [drafter, gamma or tree] pair")
+        name, how = pair
+        if isinstance(how, bool) or (isinstance(how, float) and not how.is_integer()):
+            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma "
+                                 "(a positive int) nor a tree shape")
+        if isinstance(how, float):   # 3.0 is read exactly as 3
+            how = int(how)
+        if isinstance(how, int) and how <= 0 and str(name) != "ar":
+            raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
         out.append((str(name), how if isinstance(how, int) else TreeShape.parse(str(how))))
     return out
 
@@ -152,10 +162,20 @@ def head_axis_used(cfg_drafters: DictConfig) -> bool:
 
 
 def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
-    """Checks made at composition, before any model loads: every cheap object is built once
-    (contradictions inside a group fail there), and settings a chosen component would ignore
-    are refused. ``overrides`` are the command line's (``head=...``, ``head.rank=...``)."""
+    """Checks made at composition, before any model loads: every value a runner reads is of its
+    declared type and range (:mod:`experiments.schema`; no runner casts 2.5 to 2), every cheap
+    object is built once (contradictions inside a group fail there), and settings a chosen
+    component would ignore are refused. ``overrides`` are the command line's (``head=...``,
+    ``head.rank=...``)."""
+    check_config(cfg)
     hardware(cfg)
+    exp = cfg.get("experiment") or {}
+    if "temperature" in exp:   # the sampling settings' own rules (T = 0 or >= T_MIN, ...)
+        try:
+            SamplingParams(float(exp.temperature), int(exp.get("top_k", 0)),
+                           float(exp.get("top_p", 1.0)))
+        except FlashSpecError as e:   # "temperature must be ..." -> "experiment.temperature ..."
+            raise FlashSpecError(f"experiment.{e}") from None
     if cfg.get("resume", "check") not in RESUME_MODES:
         raise FlashSpecError(f"resume={cfg.resume}; choose one of {', '.join(RESUME_MODES)}")
     if "dataset" in cfg:
