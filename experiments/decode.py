@@ -435,7 +435,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                   roles.get(m.name, m.name))
                     bar.update()
         from flashspec.records import read_records
-        records = list(read_records(run.writer.path))
+        records = list(read_records(run.writer.path, experiment="decode"))
         _remember(records, keys, prompts, str(run.path))
         rows = summarize(records)
         log.info("records: %s\n%s", run.writer.path, format_table(rows))

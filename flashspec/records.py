@@ -28,6 +28,7 @@ RUN_CONFIG = "run_config.json"
 RUN_CONFIG_HISTORY = "run_config_history.jsonl"
 LOCK_NAME = ".flashspec.lock"
 ARCHIVE_PREFIX = "previous-"
+QUARANTINE_SUFFIX = ".torn"   # where lines that are not records go: <records file>.torn
 RESUME_MODES = ("check", "accept", "fresh")
 # Dotted config keys that may differ between two invocations of one run without changing its
 # results: where it writes, Hydra's own settings, where it logs, and the resume mode itself.
@@ -103,6 +104,7 @@ class RecordWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(self.path)
+        quarantine_lines(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, default=_jsonable) + "\n").encode()
@@ -118,15 +120,17 @@ class RecordWriter:
                 raise
 
     def done_keys(self, *fields: str) -> set[tuple]:
-        """Keys (tuple of ``fields``) of complete records already on disk, for resuming."""
-        return {tuple(r.get(k) for k in fields) for r in read_records(self.path)}
+        """Keys (tuple of ``fields``) of complete records already on disk, for resuming (a
+        record without one of them is reported and not counted: its work is done again)."""
+        return {tuple(r[k] for k in fields) for r in read_records(self.path, required=fields)}
 
 
 def repair_tail(path: str | Path) -> bool:
     """Make ``path`` end on a newline; returns whether anything had to be repaired.
 
     A last line without its newline that parses as a JSON object is a complete record: the
-    newline is added. Anything else is a torn record: it is appended to ``<path>.torn`` and cut
+    newline is added. Anything else is a torn record: it is appended to ``<path>.torn`` (the
+    quarantine, :data:`QUARANTINE_SUFFIX`) and cut
     from the file. Both cases are logged with the file and line number."""
     path = Path(path)
     if not path.is_file():
@@ -148,7 +152,7 @@ def repair_tail(path: str | Path) -> bool:
             log.warning("%s line %d: complete record without its newline (interrupted write); "
                         "newline added", path, lineno)
         else:
-            quarantine = path.with_name(path.name + ".torn")
+            quarantine = path.with_name(path.name + QUARANTINE_SUFFIX)
             with quarantine.open("ab") as q:
                 q.write(tail + b"\n")
             f.truncate(cut)
@@ -159,35 +163,95 @@ def repair_tail(path: str | Path) -> bool:
     return True
 
 
-def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file. A line that is not one JSON object is reported (file and line
-    number), never dropped silently: a torn record followed by a whole one on the same line (an
-    old writer appended after a crash) yields the whole one; a torn last line is skipped.
-    A ``.gz`` file is read through gzip (committed records too large to keep raw)."""
+# Fields without which a record of an experiment cannot be used (grouped by method, paired with
+# its AR record, skipped on resume): such a record is reported and left out, never pooled into a
+# nameless row.
+RECORD_FIELDS: dict[str, tuple[str, ...]] = {"decode": ("method", "dataset", "prompt_id", "turn")}
+
+
+def read_records(path: str | Path, required: Sequence[str] = (),
+                 experiment: str | None = None) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file: the one reader of run records (resume, summaries,
+    scripts/collect.py). A line that is not a usable record is reported (file and line number,
+    one line) and skipped, never dropped silently nor raised: bytes that are not UTF-8, text
+    that is not one JSON object, a record without the ``required`` fields or without those its
+    experiment's records carry (:data:`RECORD_FIELDS`, by its own ``experiment`` field or else
+    the ``experiment`` given). A torn record followed by a whole one on the same line (an old
+    writer appended after a crash) yields the whole one. A ``.gz`` file is read through gzip
+    (committed records too large to keep raw)."""
     path = Path(path)
     if not path.exists():
         return
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
-          else path.open(encoding="utf-8")) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = _trailing_record(line)
-                if record is None:
-                    log.warning("%s line %d: not a JSON record (torn write?); skipped", path, lineno)
-                else:
-                    log.warning("%s line %d: a torn record merged with the next one; the torn "
-                                "part is skipped, the record after it kept", path, lineno)
-                    yield record
+            record, problem = parse_line(raw)
+            if record is None:
+                log.warning("%s line %d: %s; skipped", path, lineno, problem)
                 continue
-            if isinstance(record, dict):
-                yield record
-            else:
-                log.warning("%s line %d: JSON %s, not a record; skipped", path, lineno,
-                            type(record).__name__)
+            if problem:
+                log.warning("%s line %d: %s", path, lineno, problem)
+            fields = (*required, *RECORD_FIELDS.get(str(record.get("experiment", experiment)), ()))
+            missing = [k for k in dict.fromkeys(fields) if k not in record]
+            if missing:
+                log.warning("%s line %d: record without %s; skipped", path, lineno,
+                            ", ".join(missing))
+                continue
+            yield record
+
+
+def parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """(record, None) for a line holding one JSON object; (None, why) for a line that holds
+    none; (record, note) for a torn record merged with a whole one (the whole one is kept)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        record = _trailing_record(line)
+        if record is None:
+            return None, "not a JSON record (torn write?)"
+        return record, ("a torn record merged with the next one; the torn part is skipped, "
+                        "the record after it kept")
+    if not isinstance(record, dict):
+        return None, f"JSON {type(record).__name__}, not a record"
+    return record, None
+
+
+def quarantine_lines(path: str | Path) -> int:
+    """Move every line of ``path`` that holds no record (not UTF-8, not a JSON object) to
+    ``<path>.torn``, as :func:`repair_tail` does with a torn last line, so that the file a run
+    resumes into holds records only; each is logged with the file and line number. The file is
+    rewritten atomically, and only when something is moved. Returns the number of lines moved."""
+    path = Path(path)
+    if not path.is_file() or path.suffix == ".gz":
+        return 0
+    data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    bad = []
+    for lineno, raw in enumerate(lines, 1):
+        record, problem = parse_line(raw) if raw.strip() else ({}, None)
+        if record is None:
+            bad.append(lineno)
+            log.warning("%s line %d: %s; moved to %s", path, lineno, problem,
+                        path.name + QUARANTINE_SUFFIX)
+    if not bad:
+        return 0
+    gone = set(bad)
+    with path.with_name(path.name + QUARANTINE_SUFFIX).open("ab") as q:
+        q.write(b"".join(lines[i - 1].rstrip(b"\n") + b"\n" for i in bad))
+        q.flush()
+        os.fsync(q.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(b"".join(raw for i, raw in enumerate(lines, 1) if i not in gone))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(bad)
 
 
 def _is_record(raw: bytes) -> bool:
