@@ -416,7 +416,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         reused = _reuse_records(run, keys, done, roles)
-        todo = [m for m in methods if m.name not in reused]
+        units = [(p.id, t) for p in prompts for t in range(len(p.turns))]
+        pending = {m.name: sum((m.name, *u) not in done for u in units)
+                   for m in methods if m.name not in reused}
+        todo = [m for m in methods if pending.get(m.name)]
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
         if exp.warmup and todo:  # untimed, on the first batch's prompts; its wall time is the cold start
             warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
@@ -426,8 +429,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 m.run(warm, 4, None)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
-        log.info("decoding %d prompts of %s with %d methods: %s", len(prompts), dataset.name,
-                 len(todo), ", ".join(m.name for m in todo))
+        if todo:
+            log.info("decoding %d (prompt, turn) record(s) of %s: %s", sum(pending.values()),
+                     dataset.name, ", ".join(f"{m.name} x{pending[m.name]}" for m in todo))
+        else:
+            log.info("nothing to decode: every method has its %d record(s) of %s here already",
+                     len(units), dataset.name)
         with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch") as bar:
             for bi, batch in enumerate(batches):
                 for m in (_order(todo, bi, bool(exp.get("rotate_methods", True))) if todo else []):

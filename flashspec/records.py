@@ -334,8 +334,9 @@ def _without(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]
 class ResumeInfo:
     """What ``check_resume`` found and did.
 
-    status: 'new' (first start here), 'same' (stored config equals this one), 'accepted'
-    (differs in ``changed``, continued on request), 'fresh' (old contents moved to ``archived``).
+    status: 'new' (first start here), 'same' (stored config and prompt data equal this run's),
+    'accepted' (differs in ``changed``, continued on request), 'fresh' (old contents moved to
+    ``archived``). ``changed`` names config keys, and ``data_hash`` when the prompt data differ.
     """
 
     status: str
@@ -345,14 +346,19 @@ class ResumeInfo:
 
 
 def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "check",
-                 ignore: Sequence[str] = IGNORED_KEYS) -> ResumeInfo:
-    """Tie ``run_dir`` to one resolved ``config`` (a plain dict), stored in ``run_config.json``.
+                 ignore: Sequence[str] = IGNORED_KEYS, data_hash: str | None = None) -> ResumeInfo:
+    """Tie ``run_dir`` to one resolved ``config`` (a plain dict) and the hash of the prompt data
+    it reads (``flashspec.data.data_hash``; None when it reads none), stored in
+    ``run_config.json``.
 
-    On first start the config is stored. Later starts compare it with the stored one, leaving
+    On first start both are stored. Later starts compare the config with the stored one, leaving
     out the ``ignore`` keys (cosmetic or per-invocation: output dir, Hydra, logger, the resume
-    mode itself). ``mode``:
+    mode itself), and the data hash (a prompt file edited in place, its manifest updated too,
+    changes it while the config stays the same; a directory stored without one is not
+    compared). ``mode``:
 
-    - 'check': a difference raises FlashSpecError naming the differing dotted keys;
+    - 'check': a difference raises FlashSpecError naming the differing dotted keys, or saying
+      that the prompt data changed;
     - 'accept': continue; the new config is stored and the old one appended, with the
       differing keys, to ``run_config_history.jsonl``;
     - 'fresh': everything in the run directory (but the lock, Hydra's ``.hydra`` and ``*.log``
@@ -370,7 +376,7 @@ def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "ch
     digest = config_hash(config, ignore)
     if mode == "fresh":
         archived = _archive(run_dir)
-        _store_config(stored_path, config, digest)
+        _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("fresh", digest, archived=archived)
     if not stored_path.is_file():
         old_records = sorted(p.name for p in run_dir.glob("*.jsonl"))
@@ -379,33 +385,46 @@ def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "ch
                 f"{run_dir} holds records ({', '.join(old_records)}) but no {RUN_CONFIG}, so "
                 "nothing says which config wrote them; resume with mode 'accept' to adopt them "
                 "for this config, or 'fresh' to move them aside")
-        _store_config(stored_path, config, digest)
+        _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("new" if not old_records else "accepted", digest)
     try:
-        stored = json.loads(stored_path.read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        stored_file = json.loads(stored_path.read_text())
+        stored, stored_data = stored_file["config"], stored_file.get("data_hash")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise FlashSpecError(f"{stored_path} is unreadable ({type(e).__name__}); resume with "
                              "mode 'fresh' to start this run directory over") from e
     changed = config_diff(stored, config, ignore)
-    if not changed:
+    data_changed = None not in (stored_data, data_hash) and stored_data != data_hash
+    if not changed and not data_changed:
+        if stored_data is None and data_hash is not None:   # stored before data was compared
+            _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("same", digest)
-    if mode == "check":
+    what = []
+    if changed:
         shown = ", ".join(changed[:8]) + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+        what.append(f"another config (differs in: {shown})")
+    if data_changed:
+        what.append(f"other prompt data (data hash {stored_data[:12]} then, {data_hash[:12]} "
+                    "now: a prompt file changed)")
+    if mode == "check":
         raise FlashSpecError(
-            f"{run_dir} was started with another config (differs in: {shown}); use a new output "
-            "dir, or resume with mode 'accept' (continue under the new config) or 'fresh' (move "
-            "the old records aside)")
+            f"{run_dir} was started with {' and '.join(what)}; use a new output dir, or resume "
+            "with mode 'accept' (keep its records, continue under the new config and data) or "
+            "'fresh' (move the old records aside)")
+    changed = changed + (["data_hash"] if data_changed else [])
     with (run_dir / RUN_CONFIG_HISTORY).open("a") as f:
         f.write(canonical_json({"replaced_at": _utc_now(), "config": stored,
-                                "changed": changed}) + "\n")
-    _store_config(stored_path, config, digest)
-    log.warning("%s: continuing under a new config (changed: %s)", run_dir, ", ".join(changed))
+                                "data_hash": stored_data, "changed": changed}) + "\n")
+    _store_config(stored_path, config, digest, data_hash)
+    log.warning("%s: continuing with %s (resume=accept)", run_dir, " and ".join(what))
     return ResumeInfo("accepted", digest, changed=changed)
 
 
-def _store_config(path: Path, config: dict[str, Any], digest: str) -> None:
-    write_text_atomic(path, json.dumps({"config_hash": digest, "config": config}, indent=1,
-                                        sort_keys=True, default=_jsonable) + "\n")
+def _store_config(path: Path, config: dict[str, Any], digest: str,
+                  data_hash: str | None = None) -> None:
+    write_text_atomic(path, json.dumps({"config_hash": digest, "config": config,
+                                        "data_hash": data_hash}, indent=1,
+                                       sort_keys=True, default=_jsonable) + "\n")
 
 
 def _archive(run_dir: Path) -> Path | None:
