@@ -435,7 +435,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         else:
             log.info("nothing to decode: every method has its %d record(s) of %s here already",
                      len(units), dataset.name)
-        with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch") as bar:
+        with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch", disable=not todo) as bar:
             for bi, batch in enumerate(batches):
                 for m in (_order(todo, bi, bool(exp.get("rotate_methods", True))) if todo else []):
                     _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done,
