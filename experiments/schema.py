@@ -19,7 +19,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from flashspec.errors import FlashSpecError
 
@@ -73,7 +73,20 @@ def choice(*options: str) -> Kind:
     return Kind(f"one of {', '.join(options)}", lambda v: isinstance(v, str) and v in options)
 
 
+def nested(kind: Kind) -> Kind:
+    """``kind``, or lists and mappings of it at any depth (a scenario's means per phase or
+    per domain)."""
+    def ok(v: Any) -> bool:
+        if isinstance(v, (list, ListConfig)):
+            return len(v) > 0 and all(ok(x) for x in v)
+        if isinstance(v, (Mapping, DictConfig)):
+            return len(v) > 0 and all(ok(x) for x in v.values())
+        return kind.ok(v)
+    return Kind(f"{kind.what} (or lists of them)", ok)
+
+
 BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+LIST = Kind("a list", lambda v: isinstance(v, (list, ListConfig)))
 TEXT = Kind("a string", lambda v: isinstance(v, str))
 NULL = Kind("null", lambda v: v is None)
 TEXTS = Kind("a list of strings", lambda v: isinstance(v, (list, ListConfig))
@@ -97,6 +110,8 @@ BANDIT = {"reward": TEXT, "full_info": BOOL, "reward_scale": number(0, lo_open=T
 COMMON: dict[str, Kind] = {
     "seed": COUNT,
     "smoke": BOOL,
+    **{f"target.{k}": v for k, v in {
+        "source": TEXT, "dtype": TEXT, "device": TEXT, "quantization": TEXT | NULL}.items()},
     **{f"dataset.{k}": v for k, v in {
         "name": TEXT, "n_prompts": POSITIVE | NULL, "max_new_tokens": POSITIVE,
         "split": choice("eval", "train"), "seed": COUNT, "source": choice("local", "hub"),
@@ -113,15 +128,17 @@ COMMON: dict[str, Kind] = {
         "rank": POSITIVE | TEXT | NULL, "init": TEXT, "checkpoint": TEXT | NULL,
         "layout": choice("out_in", "in_out"),
         "keep": POSITIVE | number(0, 1, lo_open=True) | TEXT, "frequencies": TEXT,
-        "always_keep.*": COUNT}.items()},
+        "always_keep": LIST, "always_keep.*": COUNT}.items()},
     **{f"planner.{k}": v for k, v in {
         "objective": TEXT, "explore": COUNT, "decay": number(0, 1, lo_open=True),
         "smoothing": number(0, 1, lo_open=True), "prior": number(0), "replan": POSITIVE,
         "reprobe": POSITIVE}.items()},
     **{f"drafters.{k}": v for k, v in {
-        "gammas.*": POSITIVE, "drafters.*.max_ngram": POSITIVE, "drafters.*.min_ngram": POSITIVE,
+        "gammas": LIST, "gammas.*": POSITIVE, "arms": LIST | NULL,
+        "drafters.*.max_ngram": POSITIVE, "drafters.*.min_ngram": POSITIVE,
         "drafters.*.first": POSITIVE, "drafters.*.checkpoint": TEXT | NULL,
         "drafters.*.head_dtype": TEXT | NULL, "drafters.*.source": TEXT,
+        "drafters.*.quantization": TEXT | NULL, "drafters.*.heads.*": TEXT,
         "drafters.*.draft_temperature": number(0)}.items()},
     **{f"{where}.{k}": v for where in ("bandit", "bandit.inner") for k, v in BANDIT.items()},
 }
@@ -132,8 +149,11 @@ DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,
           **{f"{where}.{k}": v for where in ("extra_bandits.*", "extra_bandits.*.inner")
              for k, v in BANDIT.items()}}
 
+_HEAD = {k.removeprefix("head."): v for k, v in COMMON.items() if k.startswith("head.")}
 HEAD_DECODE = {"drafter_name": TEXT, "gamma": POSITIVE, "temperature": number(0),
-               "timing_iters": POSITIVE}
+               "timing_iters": POSITIVE, "drafter.checkpoint": TEXT, "drafter.first": POSITIVE,
+               "variants.*.drafter.checkpoint": TEXT, "variants.*.drafter.first": POSITIVE,
+               **{f"variants.*.head.{k}": v for k, v in _HEAD.items()}}
 
 BANDIT_SIM = {"horizon": POSITIVE, "n_seeds": POSITIVE, "n_points": POSITIVE, "records": TEXT,
               "figure": TEXT, "progress": BOOL, "default_policies": TEXTS,
@@ -141,23 +161,27 @@ BANDIT_SIM = {"horizon": POSITIVE, "n_seeds": POSITIVE, "n_points": POSITIVE, "r
               "scenarios.*.title": TEXT, "scenarios.*.rewards": choice("bernoulli", "beta"),
               "scenarios.*.concentration": number(0, lo_open=True),
               "scenarios.*.change_fractions.*": number(0, 1, lo_open=True, hi_open=True),
-              "scenarios.*.policies": TEXTS,
+              "scenarios.*.policies": TEXTS, "scenarios.*.means": nested(number(0, 1)),
+              "scenarios.*.domain_probs.*": number(0, 1), "paper.scenario": TEXT,
+              "paper.ucb1": number(0), "paper.thompson": number(0), "paper.bound": number(0),
               **{f"{where}.{k}": v for where in ("policies.*", "policies.*.inner")
                  for k, v in BANDIT.items()}}
 
-HEAD_BENCH = {"shapes.*.*": POSITIVE, "batches.*": POSITIVE, "rank_divs.*": POSITIVE,
+HEAD_BENCH = {"shapes": LIST, "shapes.*": LIST, "shapes.*.*": POSITIVE, "batches": LIST,
+              "batches.*": POSITIVE, "rank_divs": LIST, "rank_divs.*": POSITIVE,
               "dtype": TEXT | NULL, "warmup": COUNT, "min_rounds": POSITIVE,
               "max_rounds": POSITIVE, "budget_s": number(0, lo_open=True),
               "truncated_kept": BOOL, "threads": POSITIVE | NULL,
               "layout": choice("out_in", "in_out"), "cuda_graphs": BOOL, "triton": BOOL}
 
-_KERNEL_SIZES = {"batches.*": POSITIVE, "gammas.*": POSITIVE, "vocabs.*": POSITIVE,
-                 "iters": POSITIVE, "ref_iters": POSITIVE, "warmup": COUNT}
+_KERNEL_SIZES = {"batches": LIST, "batches.*": POSITIVE, "gammas": LIST, "gammas.*": POSITIVE,
+                 "vocabs": LIST, "vocabs.*": POSITIVE, "iters": POSITIVE, "ref_iters": POSITIVE,
+                 "warmup": COUNT}
 KERNEL_BENCH = {**_KERNEL_SIZES, **{f"smoke_shapes.{k}": v for k, v in _KERNEL_SIZES.items()},
-                "shapes.*.*": POSITIVE, "dtype": TEXT, "draft": choice("full", "onehot"),
+                "shapes": LIST | NULL, "shapes.*": LIST, "shapes.*.*": POSITIVE, "dtype": TEXT, "draft": choice("full", "onehot"),
                 "temperature": number(0), "graph_replays": POSITIVE, "l2_bytes": COUNT,
                 "max_buffers": POSITIVE, "compile_ref": BOOL, "time_budget_s": SECONDS,
-                "check_seeds.*": COUNT}
+                "check_seeds": LIST, "check_seeds.*": COUNT}
 
 _DATA = {**SAMPLING, "max_new_tokens": POSITIVE, "batch_size": POSITIVE, "split": choice(
          "eval", "train"), "topk": POSITIVE, "time_budget_s": SECONDS, "samples.*": POSITIVE,
@@ -190,7 +214,7 @@ def schema(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Kind]:
     """Every declared key of this config: the groups' and its experiment's."""
     name = cfg.get("experiment", {}).get("name") if "experiment" in cfg else None
     own = EXPERIMENTS.get(str(name), {})
-    return {**COMMON, **{f"experiment.{k}": v for k, v in own.items()}}
+    return {**COMMON, "experiment.name": TEXT, **{f"experiment.{k}": v for k, v in own.items()}}
 
 
 def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
@@ -206,7 +230,12 @@ def values(node: Any, pattern: str, prefix: str = "") -> Iterator[tuple[str, Any
     """(dotted key, value) of every key of ``node`` that ``pattern`` matches (values resolved)."""
     head, _, rest = pattern.partition(".")
     if isinstance(node, (Mapping, DictConfig)):
-        keys = [str(k) for k in node.keys()] if head == "*" else [head] if head in node else []
+        present = [str(k) for k in node.keys()]   # `in` leaves out keys whose value is ???
+        keys = present if head == "*" else [head] if head in present else []
+        missing = [k for k in keys if isinstance(node, DictConfig) and OmegaConf.is_missing(node, k)]
+        if missing:   # `???` in the config: a value the user must give
+            raise FlashSpecError(f"{prefix}{missing[0]} is required (the config says ???); set it "
+                                 f"on the command line, e.g. {prefix}{missing[0]}=...")
         items = [(k, node[k]) for k in keys]
     elif isinstance(node, (list, tuple, ListConfig)) and (head == "*" or head.isdigit()):
         idx = range(len(node)) if head == "*" else [int(head)] if int(head) < len(node) else []

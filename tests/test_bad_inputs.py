@@ -87,6 +87,13 @@ BAD_VALUES = [
      "experiment.data.top_k must be an integer >= 0, got 0.5"),
     (["experiment=mixed_stream", "experiment.extra_bandits.ucb1_tps.reward_scale=0"],
      "experiment.extra_bandits.ucb1_tps.reward_scale must be a finite number > 0, got 0"),
+    (["experiment=head_bench", "experiment.batches=4"], "experiment.batches must be a list, got 4"),
+    (["experiment=bandit_sim", "experiment.scenarios.paper.means=[0.5,1.5]"],
+     "experiment.scenarios.paper.means must be a number in [0, 1] (or lists of them), got [0.5, 1.5]"),
+    (["experiment=head_decode", "experiment.variants.svd_d8.head.rank=2.5"],
+     "experiment.variants.svd_d8.head.rank must be an integer >= 1 or a string or null, got 2.5"),
+    (["target=hf"], "target.source is required (the config says ???); set it on the command "
+                    "line, e.g. target.source=..."),
 ]
 
 
@@ -95,6 +102,50 @@ def test_a_mistyped_value_is_refused_at_composition(overrides, message):
     with pytest.raises(FlashSpecError) as err:
         validate(composed(*overrides), overrides)
     assert str(err.value) == message
+
+
+# Leaves no runner reads as a typed value: Hydra's and the logger's settings, the resume mode
+# (validate checks it), arms (harness.arm_pairs parses them), interpolated head choices, and
+# the simulation-only oracle's true means.
+UNTYPED = ["_target_", "_partial_", "resume", "output_dir", "logger.*", "drafters.arms.*.*",
+           "drafters.drafters.*.head", "bandit.means", "experiment.policies.*.means"]
+
+
+def _matches(pattern: str, key: str) -> bool:
+    p, k = pattern.split("."), key.split(".")
+    return len(p) == len(k) and all(a in ("*", b) for a, b in zip(p, k))
+
+
+def _leaves(node, prefix: str = ""):
+    """Dotted keys of the scalars of ``node`` (list items by index; empty groups hold none)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1]
+
+
+@pytest.mark.parametrize("choice", [f"{g}={p.stem}" for g in ("experiment", "drafters", "bandit",
+                                    "head", "hardware", "dataset", "planner", "target")
+                                    for p in sorted((CONF / g).glob("*.yaml"))])
+def test_every_config_value_is_declared_in_the_schema(choice):
+    """A key added to conf/ without a type here would be read unchecked: each leaf of every
+    option is declared (itself, or a list or mapping above it) or listed as UNTYPED."""
+    from omegaconf import OmegaConf
+    from experiments.schema import schema
+    cfg = OmegaConf.to_container(composed(choice), resolve=False)
+    patterns = [*schema(cfg), *(f"*.{u}" if u.startswith("_") else u for u in UNTYPED)]
+    undeclared = []
+    for key in _leaves(cfg):
+        parts = key.split(".")
+        prefixes = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+        if not any(_matches(p, k) or (p.startswith("*.") and k.endswith(p[1:]))
+                   for p in patterns for k in prefixes):
+            undeclared.append(key)
+    assert not undeclared, f"{choice}: add to experiments/schema.py: {undeclared}"
 
 
 def test_sampling_rules_are_checked_at_composition_naming_the_key():
