@@ -291,8 +291,10 @@ class RunDir:
                 continue
             old = recs[0]["provenance"].get("config") or {}
             new, then = flatten(self.config), flatten(old)
-            diffs = [f"{k}={_show(then, k)} (now {_show(new, k)})"
-                     for k in config_diff(old, self.config)]
+            keys = config_diff(old, self.config)
+            diffs = [f"{k}={_show(then, k)} (now {_show(new, k)})" for k in keys[:8]]
+            if len(keys) > 8:
+                diffs.append(f"{len(keys) - 8} more keys (run_config_history.jsonl)")
             if data != self.data_hash:
                 diffs.append(f"prompt data {str(data)[:12]} (now {str(self.data_hash)[:12]})")
             lines.append(f"keeping {where}, written under {'; '.join(diffs) or 'another config'}: "
