@@ -30,9 +30,11 @@ class Kind:
 
     what: str
     ok: Callable[[Any], bool]
+    integral: bool = False   # an integer kind: a float of integral value is stored as the int
 
     def __or__(self, other: "Kind") -> "Kind":
-        return Kind(f"{self.what} or {other.what}", lambda v: self.ok(v) or other.ok(v))
+        return Kind(f"{self.what} or {other.what}", lambda v: self.ok(v) or other.ok(v),
+                    self.integral or other.integral)
 
 
 def _real(v: Any) -> bool:
@@ -47,7 +49,7 @@ def _integral(v: Any) -> bool:
 
 def integer(lo: int | None = None) -> Kind:
     what = "an integer" + (f" >= {lo}" if lo is not None else "")
-    return Kind(what, lambda v: _integral(v) and (lo is None or v >= lo))
+    return Kind(what, lambda v: _integral(v) and (lo is None or v >= lo), integral=True)
 
 
 def number(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
@@ -219,15 +221,28 @@ def schema(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Kind]:
 
 def check_config(cfg: DictConfig | Mapping[str, Any]) -> None:
     """Raise FlashSpecError, one line naming the key, for the first value of ``cfg`` that is not
-    of its declared kind (e.g. ``experiment.top_k must be an integer >= 0, got 2.5``)."""
+    of its declared kind (e.g. ``experiment.top_k must be an integer >= 0, got 2.5``).
+
+    An integer typed as an integral float (``experiment.top_k=2.0``) is stored back as the int,
+    so that no runner meets a float where it counts (``range(2.0)``) and the stored config and
+    the records say 2 (an interpolated value is left to the key it comes from)."""
     for pattern, kind in schema(cfg).items():
-        for key, value in values(cfg, pattern):
+        for key, value, parent, name in values(cfg, pattern):
             if not kind.ok(value):
                 raise FlashSpecError(f"{key} must be {kind.what}, got {value!r}")
+            if kind.integral and isinstance(value, float) and not _interpolated(parent, name):
+                parent[int(name) if isinstance(parent, (list, ListConfig)) else name] = int(value)
 
 
-def values(node: Any, pattern: str, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every key of ``node`` that ``pattern`` matches (values resolved)."""
+def _interpolated(parent: Any, name: str) -> bool:
+    if isinstance(parent, ListConfig):
+        return OmegaConf.is_interpolation(parent, int(name))
+    return isinstance(parent, DictConfig) and OmegaConf.is_interpolation(parent, name)
+
+
+def values(node: Any, pattern: str, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:
+    """(dotted key, value, the mapping or list holding it, its key there) of every key of
+    ``node`` that ``pattern`` matches (values resolved)."""
     head, _, rest = pattern.partition(".")
     if isinstance(node, (Mapping, DictConfig)):
         present = [str(k) for k in node.keys()]   # `in` leaves out keys whose value is ???
@@ -247,4 +262,4 @@ def values(node: Any, pattern: str, prefix: str = "") -> Iterator[tuple[str, Any
         if rest:
             yield from values(child, rest, name + ".")
         else:
-            yield name, child
+            yield name, child, node, key

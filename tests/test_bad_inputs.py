@@ -161,6 +161,18 @@ def test_values_that_read_exactly_pass(overrides):
     validate(composed(*overrides), overrides)
 
 
+def test_an_integral_float_is_stored_as_the_int():
+    """`experiment.top_k=2.0` runs as 2 and the stored config (and so the records) say 2."""
+    cfg = composed("dataset.n_prompts=3.0", "experiment=kernel_bench",
+                   "experiment.batches=[1.0,8]")
+    validate(cfg)
+    assert type(cfg.dataset.n_prompts) is int and cfg.dataset.n_prompts == 3
+    assert [type(b) for b in cfg.experiment.batches] == [int, int]
+    cfg = composed("experiment.top_k=2.0")
+    validate(cfg)
+    assert type(cfg.experiment.top_k) is int and cfg.experiment.top_k == 2
+
+
 def test_the_schema_checks_plain_mappings_and_skips_absent_keys():
     check_config({"seed": 0, "experiment": {"name": "decode", "top_k": 3}})   # no dataset etc.
     check_config({"experiment": {"name": "unknown_runner", "top_k": "x"}})     # no schema: no check
