@@ -44,7 +44,7 @@ import yaml
 
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import alpha, tau
-from flashspec.records import read_records
+from flashspec.records import RUN_CONFIG_HISTORY, read_records
 
 DECODE = "decode"
 BASELINE = "ar"
@@ -60,8 +60,10 @@ DECODE_COLUMNS = ["experiment", "method", "dataset", "prompt_id", "domain", "tur
 
 
 def record_files(paths: Iterable[Path]) -> list[Path]:
-    """Every JSONL file under ``paths`` (files are taken as given), skipping wandb/ and dot dirs."""
-    return find_files(paths, "*.jsonl", take_files=lambda f: f.suffix == ".jsonl")
+    """Every JSONL file under ``paths`` (files are taken as given), skipping wandb/ and dot dirs
+    and each run directory's history of replaced configs (JSONL too, but no records)."""
+    return [f for f in find_files(paths, "*.jsonl", take_files=lambda f: f.suffix == ".jsonl")
+            if f.name != RUN_CONFIG_HISTORY]
 
 
 def metric_files(paths: Iterable[Path]) -> list[Path]:

@@ -267,9 +267,11 @@ def test_collect_reads_through_the_same_reader(tmp_path, caplog):
         json.dumps(rec).encode() + b"\n" + BAD_LINES["not_utf8"][0]
         + json.dumps({k: v for k, v in rec.items() if k not in ("method", "experiment")}).encode()
         + b"\n")
+    (job / "run_config_history.jsonl").write_text('{"config": {}, "changed": ["seed"]}\n')
     with caplog.at_level(logging.WARNING, logger="flashspec"):
         tables = collect.collect([tmp_path])
     assert tables["decode"]["method"].tolist() == ["ar"]
+    assert "run_config_history" not in caplog.text                           # no records in it
     assert "line 2: not UTF-8 text" in caplog.text and "line 3: record without method" in caplog.text
     assert (job / "records.jsonl").read_bytes().count(b"\xff") == 1          # a reader moves nothing
     (job / "job_metrics.json").write_bytes(b"\xff\xfe")
