@@ -395,11 +395,7 @@ def prompt_turn_ids(tokenizer, prompt: Prompt, answers: list[str]) -> list[int]:
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Decode every prompt with every method; returns the summary rows and the job metrics."""
     torch.manual_seed(int(cfg.seed))
-    exp = cfg.experiment
-    for key in ("batch_size", "timing_iters", "hf_prompt_lookup_tokens"):
-        value = exp.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FlashSpecError(f"experiment.{key}={value!r}; it must be a positive int")
+    exp = cfg.experiment   # values typed and in range: experiments.schema, checked at composition
     params = SamplingParams(float(exp.temperature), int(exp.top_k), float(exp.top_p))
     dataset = prompt_set(cfg)
     max_new = 8 if cfg.smoke else dataset.max_new_tokens
@@ -420,7 +416,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         reused = _reuse_records(run, keys, done, roles)
-        todo = [m for m in methods if m.name not in reused]
+        units = [(p.id, t) for p in prompts for t in range(len(p.turns))]
+        pending = {m.name: sum((m.name, *u) not in done for u in units)
+                   for m in methods if m.name not in reused}
+        todo = [m for m in methods if pending.get(m.name)]
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
         if exp.warmup and todo:  # untimed, on the first batch's prompts; its wall time is the cold start
             warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
@@ -430,16 +429,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 m.run(warm, 4, None)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
-        log.info("decoding %d prompts of %s with %d methods: %s", len(prompts), dataset.name,
-                 len(todo), ", ".join(m.name for m in todo))
-        with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch") as bar:
+        if todo:
+            log.info("decoding %d (prompt, turn) record(s) of %s: %s", sum(pending.values()),
+                     dataset.name, ", ".join(f"{m.name} x{pending[m.name]}" for m in todo))
+        else:
+            log.info("nothing to decode: every method has its %d record(s) of %s here already",
+                     len(units), dataset.name)
+        with tqdm(total=len(batches) * len(todo), desc="decode", unit="batch", disable=not todo) as bar:
             for bi, batch in enumerate(batches):
                 for m in (_order(todo, bi, bool(exp.get("rotate_methods", True))) if todo else []):
                     _decode_batch(m, batch, bi, tokenizer, max_new, params, run, done,
                                   roles.get(m.name, m.name))
                     bar.update()
         from flashspec.records import read_records
-        records = list(read_records(run.writer.path))
+        records = list(read_records(run.writer.path, experiment="decode"))
         _remember(records, keys, prompts, str(run.path))
         rows = summarize(records)
         log.info("records: %s\n%s", run.writer.path, format_table(rows))

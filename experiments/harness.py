@@ -29,8 +29,10 @@ from flashspec.planner import WidthPlanner
 from flashspec.tree import TreeShape
 from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
-                               provenance)
+                               config_diff, flatten, provenance, read_records)
 from flashspec.verify import get_backend
+from flashspec.verify.sampling import SamplingParams
+from experiments.schema import check_config
 
 log = logging.getLogger("flashspec")
 
@@ -92,9 +94,17 @@ def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShap
         pairs = [(name, g) for name in (cfg_drafters.get("drafters") or {})
                  for g in cfg_drafters.get("gammas", [4])]
     out = []
-    for name, how in pairs:
-        if isinstance(how, bool):
-            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma")
+    for pair in pairs:
+        if isinstance(pair, str) or len(pair) != 2:
+            raise FlashSpecError(f"drafters.arms: {pair!r} is not a [drafter, gamma or tree] pair")
+        name, how = pair
+        if isinstance(how, bool) or (isinstance(how, float) and not how.is_integer()):
+            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma "
+                                 "(a positive int) nor a tree shape")
+        if isinstance(how, float):   # 3.0 is read exactly as 3
+            how = int(how)
+        if isinstance(how, int) and how <= 0 and str(name) != "ar":
+            raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
         out.append((str(name), how if isinstance(how, int) else TreeShape.parse(str(how))))
     return out
 
@@ -152,10 +162,20 @@ def head_axis_used(cfg_drafters: DictConfig) -> bool:
 
 
 def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
-    """Checks made at composition, before any model loads: every cheap object is built once
-    (contradictions inside a group fail there), and settings a chosen component would ignore
-    are refused. ``overrides`` are the command line's (``head=...``, ``head.rank=...``)."""
+    """Checks made at composition, before any model loads: every value a runner reads is of its
+    declared type and range (:mod:`experiments.schema`; no runner casts 2.5 to 2), every cheap
+    object is built once (contradictions inside a group fail there), and settings a chosen
+    component would ignore are refused. ``overrides`` are the command line's (``head=...``,
+    ``head.rank=...``)."""
+    check_config(cfg)
     hardware(cfg)
+    exp = cfg.get("experiment") or {}
+    if "temperature" in exp:   # the sampling settings' own rules (T = 0 or >= T_MIN, ...)
+        try:
+            SamplingParams(float(exp.temperature), int(exp.get("top_k", 0)),
+                           float(exp.get("top_p", 1.0)))
+        except FlashSpecError as e:   # "temperature must be ..." -> "experiment.temperature ..."
+            raise FlashSpecError(f"experiment.{e}") from None
     if cfg.get("resume", "check") not in RESUME_MODES:
         raise FlashSpecError(f"resume={cfg.resume}; choose one of {', '.join(RESUME_MODES)}")
     if "dataset" in cfg:
@@ -219,15 +239,17 @@ class RunDir:
         self.seed = int(cfg.seed)
         self.path.mkdir(parents=True, exist_ok=True)
         self.config = OmegaConf.to_container(cfg, resolve=True)
+        source = str(cfg.dataset.get("source", "local")) if "dataset" in cfg else "local"
+        self.data_hash = data_hash(data, source) if data else None
         self.lock = RunLock(self.path).acquire()
         try:
-            self.resume = _check_resume(self.path, self.config, str(cfg.get("resume", "check")))
+            self.resume = _check_resume(self.path, self.config, str(cfg.get("resume", "check")),
+                                        self.data_hash)
         except BaseException:
             self.lock.release()
             raise
         self.writer = RecordWriter(self.path / records)
-        self.provenance = provenance(self.config, int(cfg.seed),
-                                     data_hash=data_hash(data) if data else None)
+        self.provenance = provenance(self.config, int(cfg.seed), data_hash=self.data_hash)
         self.info = job_info(cfg)
         self.logger = NullLogger()
         if "logger" in cfg:
@@ -242,20 +264,60 @@ class RunDir:
             self.logger = build(lg, _partial_=True)(**kwargs)
 
     def done_keys(self, *fields: str) -> set[tuple]:
-        return self.writer.done_keys(*fields)
+        """Keys (tuple of ``fields``) of the records already here, which the run keeps and does
+        not redo; what they are is logged (how many, and for those written under another config
+        or other prompt data, how that differs from this run's)."""
+        records = list(read_records(self.writer.path, required=fields))
+        for line in self.kept(records):
+            log.info("%s", line)
+        return {tuple(r[k] for k in fields) for r in records}
+
+    def kept(self, records: list[dict[str, Any]]) -> list[str]:
+        """One line per group of ``records`` (by the config and prompt data that wrote them):
+        how many are kept, and where their config or data differ from this run's."""
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            prov = r.get("provenance") if isinstance(r.get("provenance"), dict) else {}
+            groups.setdefault((prov.get("config_hash"), prov.get("data_hash")), []).append(r)
+        lines = []
+        for (digest, data), recs in groups.items():
+            where = f"{len(recs)} record(s) already in {self.writer.path.name}"
+            if digest is None:
+                lines.append(f"keeping {where} without provenance (config unknown); not "
+                             "decoded again")
+                continue
+            if digest == self.provenance["config_hash"] and data == self.data_hash:
+                lines.append(f"keeping {where}, written under this config; not decoded again")
+                continue
+            old = recs[0]["provenance"].get("config") or {}
+            new, then = flatten(self.config), flatten(old)
+            keys = config_diff(old, self.config)
+            diffs = [f"{k}={_show(then, k)} (now {_show(new, k)})" for k in keys[:8]]
+            if len(keys) > 8:
+                diffs.append(f"{len(keys) - 8} more keys (run_config_history.jsonl)")
+            if data != self.data_hash:
+                diffs.append(f"prompt data {str(data)[:12]} (now {str(self.data_hash)[:12]})")
+            lines.append(f"keeping {where}, written under {'; '.join(diffs) or 'another config'}: "
+                         "they are not decoded again (resume=fresh moves them aside and redoes "
+                         "them)")
+        return lines
 
     def write(self, record: dict[str, Any]) -> None:
         self.writer.write({**record, "provenance": self.provenance})
 
 
-def _check_resume(path: Path, config: dict, mode: str):
+def _show(flat: Mapping[str, Any], key: str) -> str:
+    return str(flat[key]) if key in flat else "absent"
+
+
+def _check_resume(path: Path, config: dict, mode: str, data: str | None = None):
     """``check_resume``, keeping ``.hydra/`` describing the records: Hydra rewrites it at every
     start, so the copy taken when the directory's config was last accepted is put back when a
     different config is refused."""
     import shutil
     hydra_dir, kept = path / ".hydra", path / ".hydra.accepted"
     try:
-        info = check_resume(path, config, mode)
+        info = check_resume(path, config, mode, data_hash=data)
     except FlashSpecError:
         if kept.is_dir() and hydra_dir.is_dir():
             shutil.rmtree(hydra_dir)

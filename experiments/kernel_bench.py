@@ -511,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     conf = {"experiment": exp, "hardware": hw, "seed": args.seed, "smoke": args.smoke,
             "output_dir": str(args.out), "entry": "python -m experiments.kernel_bench",
             "source_commit": args.commit}
+    from experiments.schema import check_config   # the checks run.py makes at composition
+    try:
+        check_config(conf)
+    except FlashSpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     knobs = knobs_of(exp, args.smoke, device)
     if args.precompile > 0:

@@ -28,6 +28,7 @@ RUN_CONFIG = "run_config.json"
 RUN_CONFIG_HISTORY = "run_config_history.jsonl"
 LOCK_NAME = ".flashspec.lock"
 ARCHIVE_PREFIX = "previous-"
+QUARANTINE_SUFFIX = ".torn"   # where lines that are not records go: <records file>.torn
 RESUME_MODES = ("check", "accept", "fresh")
 # Dotted config keys that may differ between two invocations of one run without changing its
 # results: where it writes, Hydra's own settings, where it logs, and the resume mode itself.
@@ -103,6 +104,7 @@ class RecordWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(self.path)
+        quarantine_lines(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
         line = (json.dumps(record, default=_jsonable) + "\n").encode()
@@ -118,15 +120,17 @@ class RecordWriter:
                 raise
 
     def done_keys(self, *fields: str) -> set[tuple]:
-        """Keys (tuple of ``fields``) of complete records already on disk, for resuming."""
-        return {tuple(r.get(k) for k in fields) for r in read_records(self.path)}
+        """Keys (tuple of ``fields``) of complete records already on disk, for resuming (a
+        record without one of them is reported and not counted: its work is done again)."""
+        return {tuple(r[k] for k in fields) for r in read_records(self.path, required=fields)}
 
 
 def repair_tail(path: str | Path) -> bool:
     """Make ``path`` end on a newline; returns whether anything had to be repaired.
 
     A last line without its newline that parses as a JSON object is a complete record: the
-    newline is added. Anything else is a torn record: it is appended to ``<path>.torn`` and cut
+    newline is added. Anything else is a torn record: it is appended to ``<path>.torn`` (the
+    quarantine, :data:`QUARANTINE_SUFFIX`) and cut
     from the file. Both cases are logged with the file and line number."""
     path = Path(path)
     if not path.is_file():
@@ -148,7 +152,7 @@ def repair_tail(path: str | Path) -> bool:
             log.warning("%s line %d: complete record without its newline (interrupted write); "
                         "newline added", path, lineno)
         else:
-            quarantine = path.with_name(path.name + ".torn")
+            quarantine = path.with_name(path.name + QUARANTINE_SUFFIX)
             with quarantine.open("ab") as q:
                 q.write(tail + b"\n")
             f.truncate(cut)
@@ -159,35 +163,95 @@ def repair_tail(path: str | Path) -> bool:
     return True
 
 
-def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file. A line that is not one JSON object is reported (file and line
-    number), never dropped silently: a torn record followed by a whole one on the same line (an
-    old writer appended after a crash) yields the whole one; a torn last line is skipped.
-    A ``.gz`` file is read through gzip (committed records too large to keep raw)."""
+# Fields without which a record of an experiment cannot be used (grouped by method, paired with
+# its AR record, skipped on resume): such a record is reported and left out, never pooled into a
+# nameless row.
+RECORD_FIELDS: dict[str, tuple[str, ...]] = {"decode": ("method", "dataset", "prompt_id", "turn")}
+
+
+def read_records(path: str | Path, required: Sequence[str] = (),
+                 experiment: str | None = None) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file: the one reader of run records (resume, summaries,
+    scripts/collect.py). A line that is not a usable record is reported (file and line number,
+    one line) and skipped, never dropped silently nor raised: bytes that are not UTF-8, text
+    that is not one JSON object, a record without the ``required`` fields or without those its
+    experiment's records carry (:data:`RECORD_FIELDS`, by its own ``experiment`` field or else
+    the ``experiment`` given). A torn record followed by a whole one on the same line (an old
+    writer appended after a crash) yields the whole one. A ``.gz`` file is read through gzip
+    (committed records too large to keep raw)."""
     path = Path(path)
     if not path.exists():
         return
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz"
-          else path.open(encoding="utf-8")) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = _trailing_record(line)
-                if record is None:
-                    log.warning("%s line %d: not a JSON record (torn write?); skipped", path, lineno)
-                else:
-                    log.warning("%s line %d: a torn record merged with the next one; the torn "
-                                "part is skipped, the record after it kept", path, lineno)
-                    yield record
+            record, problem = parse_line(raw)
+            if record is None:
+                log.warning("%s line %d: %s; skipped", path, lineno, problem)
                 continue
-            if isinstance(record, dict):
-                yield record
-            else:
-                log.warning("%s line %d: JSON %s, not a record; skipped", path, lineno,
-                            type(record).__name__)
+            if problem:
+                log.warning("%s line %d: %s", path, lineno, problem)
+            fields = (*required, *RECORD_FIELDS.get(str(record.get("experiment", experiment)), ()))
+            missing = [k for k in dict.fromkeys(fields) if k not in record]
+            if missing:
+                log.warning("%s line %d: record without %s; skipped", path, lineno,
+                            ", ".join(missing))
+                continue
+            yield record
+
+
+def parse_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """(record, None) for a line holding one JSON object; (None, why) for a line that holds
+    none; (record, note) for a torn record merged with a whole one (the whole one is kept)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        record = _trailing_record(line)
+        if record is None:
+            return None, "not a JSON record (torn write?)"
+        return record, ("a torn record merged with the next one; the torn part is skipped, "
+                        "the record after it kept")
+    if not isinstance(record, dict):
+        return None, f"JSON {type(record).__name__}, not a record"
+    return record, None
+
+
+def quarantine_lines(path: str | Path) -> int:
+    """Move every line of ``path`` that holds no record (not UTF-8, not a JSON object) to
+    ``<path>.torn``, as :func:`repair_tail` does with a torn last line, so that the file a run
+    resumes into holds records only; each is logged with the file and line number. The file is
+    rewritten atomically, and only when something is moved. Returns the number of lines moved."""
+    path = Path(path)
+    if not path.is_file() or path.suffix == ".gz":
+        return 0
+    data = path.read_bytes()
+    lines = data.splitlines(keepends=True)
+    bad = []
+    for lineno, raw in enumerate(lines, 1):
+        record, problem = parse_line(raw) if raw.strip() else ({}, None)
+        if record is None:
+            bad.append(lineno)
+            log.warning("%s line %d: %s; moved to %s", path, lineno, problem,
+                        path.name + QUARANTINE_SUFFIX)
+    if not bad:
+        return 0
+    gone = set(bad)
+    with path.with_name(path.name + QUARANTINE_SUFFIX).open("ab") as q:
+        q.write(b"".join(lines[i - 1].rstrip(b"\n") + b"\n" for i in bad))
+        q.flush()
+        os.fsync(q.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(b"".join(raw for i, raw in enumerate(lines, 1) if i not in gone))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(bad)
 
 
 def _is_record(raw: bytes) -> bool:
@@ -270,8 +334,9 @@ def _without(config: Mapping[str, Any], ignore: Sequence[str]) -> dict[str, Any]
 class ResumeInfo:
     """What ``check_resume`` found and did.
 
-    status: 'new' (first start here), 'same' (stored config equals this one), 'accepted'
-    (differs in ``changed``, continued on request), 'fresh' (old contents moved to ``archived``).
+    status: 'new' (first start here), 'same' (stored config and prompt data equal this run's),
+    'accepted' (differs in ``changed``, continued on request), 'fresh' (old contents moved to
+    ``archived``). ``changed`` names config keys, and ``data_hash`` when the prompt data differ.
     """
 
     status: str
@@ -281,14 +346,19 @@ class ResumeInfo:
 
 
 def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "check",
-                 ignore: Sequence[str] = IGNORED_KEYS) -> ResumeInfo:
-    """Tie ``run_dir`` to one resolved ``config`` (a plain dict), stored in ``run_config.json``.
+                 ignore: Sequence[str] = IGNORED_KEYS, data_hash: str | None = None) -> ResumeInfo:
+    """Tie ``run_dir`` to one resolved ``config`` (a plain dict) and the hash of the prompt data
+    it reads (``flashspec.data.data_hash``; None when it reads none), stored in
+    ``run_config.json``.
 
-    On first start the config is stored. Later starts compare it with the stored one, leaving
+    On first start both are stored. Later starts compare the config with the stored one, leaving
     out the ``ignore`` keys (cosmetic or per-invocation: output dir, Hydra, logger, the resume
-    mode itself). ``mode``:
+    mode itself), and the data hash (a prompt file edited in place, its manifest updated too,
+    changes it while the config stays the same; a directory stored without one is not
+    compared). ``mode``:
 
-    - 'check': a difference raises FlashSpecError naming the differing dotted keys;
+    - 'check': a difference raises FlashSpecError naming the differing dotted keys, or saying
+      that the prompt data changed;
     - 'accept': continue; the new config is stored and the old one appended, with the
       differing keys, to ``run_config_history.jsonl``;
     - 'fresh': everything in the run directory (but the lock, Hydra's ``.hydra`` and ``*.log``
@@ -306,7 +376,7 @@ def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "ch
     digest = config_hash(config, ignore)
     if mode == "fresh":
         archived = _archive(run_dir)
-        _store_config(stored_path, config, digest)
+        _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("fresh", digest, archived=archived)
     if not stored_path.is_file():
         old_records = sorted(p.name for p in run_dir.glob("*.jsonl"))
@@ -315,33 +385,46 @@ def check_resume(run_dir: str | Path, config: Mapping[str, Any], mode: str = "ch
                 f"{run_dir} holds records ({', '.join(old_records)}) but no {RUN_CONFIG}, so "
                 "nothing says which config wrote them; resume with mode 'accept' to adopt them "
                 "for this config, or 'fresh' to move them aside")
-        _store_config(stored_path, config, digest)
+        _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("new" if not old_records else "accepted", digest)
     try:
-        stored = json.loads(stored_path.read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        stored_file = json.loads(stored_path.read_text())
+        stored, stored_data = stored_file["config"], stored_file.get("data_hash")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise FlashSpecError(f"{stored_path} is unreadable ({type(e).__name__}); resume with "
                              "mode 'fresh' to start this run directory over") from e
     changed = config_diff(stored, config, ignore)
-    if not changed:
+    data_changed = None not in (stored_data, data_hash) and stored_data != data_hash
+    if not changed and not data_changed:
+        if stored_data is None and data_hash is not None:   # stored before data was compared
+            _store_config(stored_path, config, digest, data_hash)
         return ResumeInfo("same", digest)
-    if mode == "check":
+    what = []
+    if changed:
         shown = ", ".join(changed[:8]) + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+        what.append(f"another config (differs in: {shown})")
+    if data_changed:
+        what.append(f"other prompt data (data hash {stored_data[:12]} then, {data_hash[:12]} "
+                    "now: a prompt file changed)")
+    if mode == "check":
         raise FlashSpecError(
-            f"{run_dir} was started with another config (differs in: {shown}); use a new output "
-            "dir, or resume with mode 'accept' (continue under the new config) or 'fresh' (move "
-            "the old records aside)")
+            f"{run_dir} was started with {' and '.join(what)}; use a new output dir, or resume "
+            "with mode 'accept' (keep its records, continue under the new config and data) or "
+            "'fresh' (move the old records aside)")
+    changed = changed + (["data_hash"] if data_changed else [])
     with (run_dir / RUN_CONFIG_HISTORY).open("a") as f:
         f.write(canonical_json({"replaced_at": _utc_now(), "config": stored,
-                                "changed": changed}) + "\n")
-    _store_config(stored_path, config, digest)
-    log.warning("%s: continuing under a new config (changed: %s)", run_dir, ", ".join(changed))
+                                "data_hash": stored_data, "changed": changed}) + "\n")
+    _store_config(stored_path, config, digest, data_hash)
+    log.warning("%s: continuing with %s (resume=accept)", run_dir, " and ".join(what))
     return ResumeInfo("accepted", digest, changed=changed)
 
 
-def _store_config(path: Path, config: dict[str, Any], digest: str) -> None:
-    write_text_atomic(path, json.dumps({"config_hash": digest, "config": config}, indent=1,
-                                        sort_keys=True, default=_jsonable) + "\n")
+def _store_config(path: Path, config: dict[str, Any], digest: str,
+                  data_hash: str | None = None) -> None:
+    write_text_atomic(path, json.dumps({"config_hash": digest, "config": config,
+                                        "data_hash": data_hash}, indent=1,
+                                       sort_keys=True, default=_jsonable) + "\n")
 
 
 def _archive(run_dir: Path) -> Path | None:

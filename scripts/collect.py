@@ -44,7 +44,7 @@ import yaml
 
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import alpha, tau
-from flashspec.records import read_records
+from flashspec.records import RUN_CONFIG_HISTORY, read_records
 
 DECODE = "decode"
 BASELINE = "ar"
@@ -60,8 +60,10 @@ DECODE_COLUMNS = ["experiment", "method", "dataset", "prompt_id", "domain", "tur
 
 
 def record_files(paths: Iterable[Path]) -> list[Path]:
-    """Every JSONL file under ``paths`` (files are taken as given), skipping wandb/ and dot dirs."""
-    return find_files(paths, "*.jsonl", take_files=lambda f: f.suffix == ".jsonl")
+    """Every JSONL file under ``paths`` (files are taken as given), skipping wandb/ and dot dirs
+    and each run directory's history of replaced configs (JSONL too, but no records)."""
+    return [f for f in find_files(paths, "*.jsonl", take_files=lambda f: f.suffix == ".jsonl")
+            if f.name != RUN_CONFIG_HISTORY]
 
 
 def metric_files(paths: Iterable[Path]) -> list[Path]:
@@ -113,9 +115,9 @@ def job_info(job: Path | None) -> dict[str, Any]:
     experiment = dataset = None
     if job is not None:
         ov_file = job / ".hydra" / "overrides.yaml"
-        overrides = [str(o) for o in (yaml.safe_load(ov_file.read_text()) or [])] \
-            if ov_file.is_file() else []
-        cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text()) or {}
+        overrides = [str(o) for o in (_yaml(ov_file) or [])] if ov_file.is_file() else []
+        cfg = _yaml(job / ".hydra" / "config.yaml")
+        cfg = cfg if isinstance(cfg, dict) else {}
         experiment = (cfg.get("experiment") or {}).get("name")
         dataset = (cfg.get("dataset") or {}).get("name")
     sweep = sweep_dir(job)
@@ -125,6 +127,18 @@ def job_info(job: Path | None) -> dict[str, Any]:
                             "_dataset": dataset}
     info.update(override_columns(overrides))
     return info
+
+
+def _yaml(path: Path) -> Any:
+    """A job's Hydra YAML file (a mapping or a list); a damaged one is one line naming it."""
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise FlashSpecError(f"{path} is unreadable ({type(e).__name__}); restore it or leave "
+                             "that job out") from None
+    if data is not None and not isinstance(data, (dict, list)):
+        raise FlashSpecError(f"{path} holds {type(data).__name__}, not Hydra's YAML")
+    return data
 
 
 def override_columns(overrides: Iterable[str]) -> dict[str, str]:
@@ -185,7 +199,7 @@ def iter_rows(paths: Iterable[Path], jobs: Jobs | None = None) -> Iterator[dict[
     jobs = jobs or Jobs(paths)
     for f in record_files(paths):
         info = jobs.get(f)
-        for rec in read_records(f):
+        for rec in read_records(f, experiment=info["_experiment"]):   # unusable lines: warned, skipped
             row = {**rec, **public(info)}
             row["experiment"] = rec.get("experiment") or info["_experiment"] or "unknown"
             row["record_file"] = str(f.resolve())
@@ -299,9 +313,12 @@ def iter_job_rows(paths: Iterable[Path], jobs: Jobs, records: list[dict[str, Any
     for f in metric_files(paths):
         info = jobs.get(f)
         try:
-            metrics = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            metrics = json.loads(f.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FlashSpecError(f"{f} is not JSON ({e}); rerun the job to rewrite it") from e
+        if not isinstance(metrics, dict):
+            raise FlashSpecError(f"{f} holds JSON {type(metrics).__name__}, not the job's metrics; "
+                                 "rerun the job to rewrite it")
         roles, job_level = split_metrics(metrics)
         recs = by_run.get(info["run_dir"], [])
         names = role_methods(roles, (r["method"] for r in recs))

@@ -66,7 +66,7 @@ BAD_INPUT = {
     "context": (["dataset.max_new_tokens=9000"], "context window"),
     "missing_model": (["target.source=/nonexistent/model.gguf"], "not found"),
     "batch": (["experiment.batch_size=0"], "batch_size"),
-    "batch_text": (["experiment.batch_size=abc"], "experiment.batch_size='abc'"),
+    "batch_text": (["experiment.batch_size=abc"], "experiment.batch_size must be an integer >= 1, got 'abc'"),
 }
 
 

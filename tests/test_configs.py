@@ -42,6 +42,11 @@ def test_every_config_option_composes_and_validates(group, option):
         with pytest.raises(FlashSpecError, match=f"hardware={option} needs CUDA.*hardware=cpu"):
             validate(cfg)
         return
+    if group == "target" and option == "hf":   # its source is the user's to give (???)
+        with pytest.raises(FlashSpecError, match=r"^target.source is required .*target.source="):
+            validate(cfg)
+        validate(composed("target=hf", "target.source=some/model"))
+        return
     if group == "bandit" and option == "oracle":   # simulation only: refused for decoding
         with pytest.raises(FlashSpecError, match="oracle needs the true arm means"):
             validate(cfg)

@@ -65,14 +65,32 @@ def load_head(path: str | Path, device: str | torch.device = "cpu",
     """(head, metadata) from a file written by :func:`save_head` (``layout``: the saved one
     unless given)."""
     path = _existing(path)
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        meta = _decode(f.metadata() or {})
-        t = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            meta = _decode(f.metadata() or {})
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise FlashSpecError(f"head file {path} is truncated, corrupt or not a safetensors file "
+                             f"({type(e).__name__}); recreate it with "
+                             "`python scripts/distill_head.py`") from None
     if meta.get("format") != FORMAT:
         raise FlashSpecError(f"{path} is not a FlashSpec head file (format {meta.get('format')!r})")
+    # A diverged distillation saves NaN weights; loaded, they surface mid-decode as NaN logits
+    # with no file named. Checked here, once per load.
+    bad = [k for k, v in t.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise FlashSpecError(f"head file {path} has NaN or inf weights in {', '.join(bad)} "
+                             "(distillation diverged?); recreate it with "
+                             "`python scripts/distill_head.py`")
     cast = (lambda x: x.to(dtype)) if dtype is not None else (lambda x: x)
     kind = meta.get("kind")
     lay = layout or meta.get("layout") or "out_in"
+    need = {"lowrank": ("w_down", "w_up"), "truncated": ("weight", "keep_ids"),
+            "full": ("weight",)}.get(str(kind), ())
+    missing = [k for k in need if k not in t]
+    if missing:
+        raise FlashSpecError(f"head file {path} ({kind} head) lacks the tensor(s) "
+                             f"{', '.join(missing)}; recreate it with `python scripts/distill_head.py`")
     if kind == "lowrank":
         head: Head = LowRankHead(cast(t["w_down"]), cast(t["w_up"]), lay)
     elif kind == "truncated":
