@@ -120,7 +120,7 @@ def test_notebook_executes_without_errors(path: Path, monkeypatch):
     assert_clean(path, nb)
     CHECKS.get(path.name, lambda nb: None)(nb)
     if path.stem in SWEEP_NOT_READ:
-        assert f"FLASHSPEC_SWEEP={sweep} is a decode sweep; this notebook draws " in text(nb)
+        assert f"FLASHSPEC_SWEEP={sweep} is not read here: this notebook draws " in text(nb)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -89,10 +89,10 @@ def sweep_dir(root: Path, default: str | Path | None = None,
     return path
 
 
-def sweep_does_not_apply(root: Path, reads: str) -> None:
+def sweep_does_not_apply(root: Path, reads: str, instead: str) -> None:
     """For a notebook of another experiment: a set ``FLASHSPEC_SWEEP`` is checked like everywhere
-    (a missing or empty sweep stops every notebook) and one line says why it is not read here."""
+    (a missing or empty sweep stops every notebook) and one line says why it is not read here
+    (``reads``: what the notebook draws; ``instead``: where the sweep's counterpart is)."""
     path = sweep_dir(root)
     if path is not None:
-        print(f"{SWEEP_ENV}={path} is a decode sweep; this notebook draws {reads}, not a sweep "
-              "(the sweep's tables: paper_tables.ipynb, decode_results.ipynb)")
+        print(f"{SWEEP_ENV}={path} is not read here: this notebook draws {reads}; {instead}")
