@@ -32,9 +32,9 @@ from flashspec.bandits import FixedArm
 from flashspec.heads import FullHeadChoice, LowRankChoice, resolve_rank
 from flashspec.paths import file_sha256, repo_path
 from flashspec.records import config_hash
-from flashspec.metrics import (bandit_vs_fixed, decode_stats, format_bandit_vs_fixed, format_table,
-                               mean_step_reward, method_records, percentile, pick_counts,
-                               pseudo_regret, rates, summarize)
+from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, decode_stats,
+                               format_bandit_vs_fixed, format_table, method_records, percentile,
+                               pick_counts, policy_regret, rates, summarize)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
 from flashspec.verify.sampling import SamplingParams
@@ -108,7 +108,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
 def spec_name(arms: list[Arm], policy: Policy) -> str:
     """``spec:<arm>`` for a fixed arm, ``spec:bandit:<policy label>`` for a learning policy."""
     if not policy.learns:
-        return f"spec:{arms[int(policy.select())].name}"
+        return arm_method(arms[int(policy.select())].name)
     return f"spec:bandit:{policy.label}"
 
 
@@ -183,7 +183,7 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                 plan.methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
             for i, a in enumerate(arms):
-                plan.arms[i] = f"spec:{a.name}"
+                plan.arms[i] = arm_method(a.name)
                 if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
                     continue
                 fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
@@ -475,10 +475,9 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
             job.update({f"{role}/{k}": v for k, v in decode_stats(recs, ar).items() if v is not None})
     regret: list[float] = []
     if plan.spec and plan.arms:
-        means = [mean_step_reward(method_records(records, plan.arms[i])) if i in plan.arms else None
-                 for i in range(len(plan.arm_names))]
+        means = arm_mean_rewards(records, plan.arm_names)
         spec = method_records(records, plan.spec)
-        regret = pseudo_regret(spec, means)
+        regret = policy_regret(records, plan.spec, plan.arm_names)   # what the notebooks redraw
         job["regret/final"] = regret[-1] if regret else 0.0
         job.update({f"arm_picks/{name}": n for name, n in
                     zip(plan.arm_names, pick_counts(spec, len(plan.arm_names)))})
@@ -520,8 +519,8 @@ def _stream_figure(records: list[dict], cfg: DictConfig, out_dir: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     from flashspec.analysis.bandit_stream_plot import plot_stream
-    from experiments.harness import arm_pairs
-    plot_stream(records, [f"{name}@{gamma}" for name, gamma in arm_pairs(cfg.drafters)],
+    from experiments.harness import arm_names
+    plot_stream(records, arm_names(cfg.drafters),
                 out_dir / "stream.png")
     log.info("figure: %s", out_dir / "stream.png")
 

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from flashspec.bandits import Policy
 from flashspec.data import PromptSet
 from flashspec.drafters import DraftContext, Drafter
-from flashspec.engine import Arm
+from flashspec.engine import Arm, arm_name
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
@@ -107,6 +107,12 @@ def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShap
             raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
         out.append((str(name), how if isinstance(how, int) else TreeShape.parse(str(how))))
     return out
+
+
+def arm_names(cfg_drafters: Mapping[str, Any]) -> list[str]:
+    """The names of the arms :func:`build_arms` builds, in the policy's index order, from the
+    config alone (no drafter is built): what a job's records and metrics call them."""
+    return [arm_name(None if name == "ar" else name, how) for name, how in arm_pairs(cfg_drafters)]
 
 
 def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:

@@ -32,6 +32,15 @@ from flashspec.verify.rng import call_seed
 from flashspec.verify.sampling import SamplingParams
 
 
+def arm_name(drafter: str | None, how: int | TreeShape) -> str:
+    """An arm's name in methods, records and metrics: ``ar`` (no drafter or γ 0),
+    ``<drafter>@<γ>`` or ``<drafter>@<tree label>``. The one spelling: a config's arm list
+    (``experiments.harness.arm_names``) and a built :class:`Arm` name arms through it."""
+    if drafter is None or how == 0:
+        return "ar"
+    return f"{drafter}@{how.label if isinstance(how, TreeShape) else how}"
+
+
 @dataclass(frozen=True)
 class Arm:
     """One choice the policy can make: a drafter (None: no speculation) and γ, or a draft tree
@@ -48,9 +57,8 @@ class Arm:
 
     @property
     def name(self) -> str:
-        if self.drafter is None or self.gamma == 0:
-            return "ar"
-        return f"{self.drafter.name}@{self.tree.label if self.tree else self.gamma}"
+        return arm_name(None if self.drafter is None else self.drafter.name,
+                        self.gamma if self.tree is None else self.tree)
 
     @property
     def reach(self) -> int:

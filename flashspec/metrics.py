@@ -142,6 +142,25 @@ def pseudo_regret(records: Iterable[dict[str, Any]], arm_means: Sequence[float |
     return out
 
 
+def arm_method(arm: str) -> str:
+    """The decode method of arm ``arm`` (its name) played alone: ``spec:<arm>``."""
+    return f"spec:{arm}"
+
+
+def arm_mean_rewards(records: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[float | None]:
+    """μ_k of each arm k (``arms``: names in the policy's index order): the mean per-step reward
+    of the job's records of arm k played alone (None: the job did not play it alone)."""
+    return [mean_step_reward(method_records(records, arm_method(a))) for a in arms]
+
+
+def policy_regret(records: Sequence[dict[str, Any]], policy: str, arms: Sequence[str]) -> list[float]:
+    """Cumulative pseudo-regret of one job's ``policy`` method (:func:`pseudo_regret`) against
+    its arms played alone on the same prompts (:func:`arm_mean_rewards`). The one computation
+    behind a decode job's ``regret/final`` and the notebooks' regret curves: both pass the job's
+    records and its arm names, so they agree by construction."""
+    return pseudo_regret(method_records(records, policy), arm_mean_rewards(records, arms))
+
+
 def pick_counts(records: Iterable[dict[str, Any]], n_arms: int) -> list[int]:
     """How often each arm was played over the records' steps."""
     counts = [0] * n_arms

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,9 @@ def test_notebook_executes_and_saves_figures(results: Path, monkeypatch):
     import nbclient
     import nbformat
     monkeypatch.setenv("FLASHSPEC_RESULTS", str(results))
+    monkeypatch.delenv("FLASHSPEC_SWEEP", raising=False)
+    # the kernel imports this checkout's flashspec/, whatever is installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()

@@ -1,10 +1,13 @@
 """Every notebook in notebooks/ executes headless (nbclient, a fresh python3 kernel, CPU only)
 from committed records and shows no error; notebooks with something specific to show are
-checked for it too (CHECKS)."""
+checked for it too (CHECKS). The decode-sweep notebooks also run on a fresh sweep of the design
+card's shape, and every notebook stops with one line on a missing or empty sweep folder."""
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +21,16 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Environment settings the notebooks read; cleared so that each reads its committed default.
 NOTEBOOK_ENV = ("FLASHSPEC_RESULTS", "FLASHSPEC_SWEEP", "FLASHSPEC_BANDIT_RECORDS",
                 "FLASHSPEC_HEAD_BENCH_DIR", "FLASHSPEC_KERNEL_BENCH")
+
+
+def kernel_env(monkeypatch, **env: str) -> None:
+    """The notebooks' environment: their settings cleared but ``env``; this checkout importable."""
+    for name in NOTEBOOK_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    # the kernel imports this checkout's flashspec/ and experiments/, whatever is installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def execute(path: Path, timeout: int = 300):
@@ -73,6 +86,9 @@ def check_paper_tables(nb) -> None:
     assert "simulated runs" in text(nb)
 
 
+# Notebooks of other experiments: a decode sweep in FLASHSPEC_SWEEP is named and not read.
+SWEEP_NOT_READ = ("bandit_regret", "head_bench", "kernel_bench")
+
 CHECKS: dict[str, Callable] = {
     "bandit_regret.ipynb": check_bandit_regret,
     "head_bench.ipynb": check_head_bench,
@@ -87,15 +103,96 @@ def test_there_are_notebooks():
     assert {p.name for p in NOTEBOOKS} >= set(CHECKS), "a checked notebook went missing"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_without_errors(path: Path, monkeypatch):
-    for name in NOTEBOOK_ENV:
-        monkeypatch.delenv(name, raising=False)
-    # the kernel imports this checkout's flashspec/ and experiments/, whatever is installed
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    nb = execute(path)
+def assert_clean(path: Path, nb) -> None:
     errors = [o for o in outputs(nb) if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
     stderr = "".join(o.get("text", "") for o in outputs(nb) if o.get("name") == "stderr")
     assert "Traceback" not in stderr, stderr[-2000:]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_without_errors(path: Path, monkeypatch):
+    """Notebooks of other experiments run with FLASHSPEC_SWEEP set (the committed sweep): they
+    say in one line that a decode sweep does not apply to them, and draw their own records."""
+    sweep = ROOT / "experiments" / "results" / "design_card_sweep"
+    kernel_env(monkeypatch, **({"FLASHSPEC_SWEEP": str(sweep)} if path.stem in SWEEP_NOT_READ else {}))
+    nb = execute(path)
+    assert_clean(path, nb)
     CHECKS.get(path.name, lambda nb: None)(nb)
+    if path.stem in SWEEP_NOT_READ:
+        assert f"FLASHSPEC_SWEEP={sweep} is not read here: this notebook draws " in text(nb)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_missing_or_empty_sweep_stops_the_notebook_with_one_line(path: Path, tmp_path: Path, monkeypatch):
+    """``FLASHSPEC_SWEEP`` naming a folder that is not there, or one without a finished job: the
+    first cell stops with one line (the whole traceback) naming the variable and the folder."""
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "missing", tmp_path / "empty"):
+        kernel_env(monkeypatch, FLASHSPEC_SWEEP=str(folder))
+        with pytest.raises(nbclient.exceptions.CellExecutionError) as stop:
+            execute(path, timeout=120)
+        assert stop.value.ename == "NotebookInputError", str(stop.value)[-2000:]
+        line = stop.value.evalue
+        assert f"FLASHSPEC_SWEEP={folder}:" in line and "\n" not in line, line
+        assert ("does not exist" if folder.name == "missing" else "holds no ") in line, line
+        # the whole traceback is that one line (no frames through pathlib, pandas or collect.py)
+        assert str(stop.value).rstrip().splitlines()[-1] == f"NotebookInputError: {line}", str(stop.value)
+
+
+# ----------------------------------------------------------------------------- a fresh sweep
+# The design card's sweep (`python run.py -m bandit=ucb1,thompson head.rank=d/8,d/16`): four
+# jobs over the default drafter set (five arms, the draft-tree arm among them), later jobs
+# copying the records no swept setting touches. One prompt of 24 new tokens instead of eight of
+# 128: enough verify steps that every policy plays every arm, the tree arm included.
+SWEEP_OVERRIDES = ["bandit=ucb1,thompson", "head.rank=d/8,d/16", "dataset.n_prompts=1",
+                   "dataset.max_new_tokens=24", "experiment.warmup=false", "experiment.timing_iters=2",
+                   "logger=disabled"]
+
+
+@pytest.fixture(scope="module")
+def design_card_sweep(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("design_card") / "sweep"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
+    res = subprocess.run([sys.executable, "run.py", "-m", *SWEEP_OVERRIDES, f"hydra.sweep.dir={out}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(list(out.glob("*/job_metrics.json"))) == 4
+    assert all('"reused_from"' in f.read_text() for f in out.glob("[123]_*/records.jsonl"))   # copies, as in a real sweep
+    return out
+
+
+@pytest.mark.slow
+def test_paper_tables_on_a_fresh_design_card_sweep(design_card_sweep: Path, monkeypatch):
+    """Every job's regret/final is what the notebook recomputes from its records (the notebook's
+    last check), with every arm of the default drafter set measured alone, the tree arm too."""
+    kernel_env(monkeypatch, FLASHSPEC_SWEEP=str(design_card_sweep))
+    path = ROOT / "notebooks" / "paper_tables.ipynb"
+    nb = execute(path)
+    assert_clean(path, nb)
+    check_paper_tables(nb)
+    assert "4 jobs, " in text(nb) and str(design_card_sweep) in text(nb)
+    assert "regret/final of 4 job(s) recomputed from their records: equal" in text(nb)
+    assert "eagle_lr72@dyn3d3k2" in text(nb) + "".join(o.get("data", {}).get("text/html", "") for o in outputs(nb))
+
+
+@pytest.mark.slow
+def test_decode_results_on_a_fresh_design_card_sweep(design_card_sweep: Path, monkeypatch):
+    """With FLASHSPEC_SWEEP set and FLASHSPEC_RESULTS not, decode_results collects the sweep."""
+    kernel_env(monkeypatch, FLASHSPEC_SWEEP=str(design_card_sweep))
+    path = ROOT / "notebooks" / "decode_results.ipynb"
+    nb = execute(path)
+    assert_clean(path, nb)
+    check_decode_results(nb)
+    assert re.search(r"\d+ decode records from 4 run dir\(s\): \S+/decode_results/sweep/results.parquet", text(nb))
+
+
+def test_the_notebook_names_a_jobs_arms_as_the_job_does():
+    """paper_tables names a job's arms from its config (``experiments.harness.arm_names``), the
+    job from the arms it built (``Arm.name``): the same names for a chain, a draft tree and the
+    target-only arm, so each arm's records alone (``spec:<arm>``) are found for its μ_k."""
+    from experiments.harness import arm_names, build_arms
+    from flashspec.drafters.ngram import NgramDrafter
+    cfg = {"drafters": {"ngram": {}}, "arms": [["ngram", 3], ["ngram", "3x1x1"], ["ar", 1]]}
+    built = build_arms(cfg, {"ngram": NgramDrafter()})
+    assert arm_names(cfg) == [a.name for a in built] == ["ngram@3", "ngram@3x1x1", "ar"]
