@@ -113,20 +113,27 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny):
+@pytest.mark.parametrize("planned", [False, True])
+def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny, planned):
     """Greedy speculative decoding is the target's greedy decoding whatever the policy plays;
     the policy learned from the engine's step outcomes (per-depth counts grew) over chains of
-    two drafters at several γ, and refuses the resident loop (it reports chunk totals)."""
+    two drafters at several γ and an n-gram tree, with and without the width planner cutting
+    the chosen arm (a tree played as a chain of its drafter included), and refuses the
+    resident loop (it reports chunk totals, not each step's accepted drafts)."""
     from flashspec.drafters import ModelDrafter, NgramDrafter
     from flashspec.engine import Arm, SpecEngine
+    from flashspec.planner import WidthPlanner
+    from flashspec.tree import TreeShape
     model, prompts = tiny
     ngram, skip = NgramDrafter(max_ngram=2), ModelDrafter(model, [0], name="skip1")
-    arms = [Arm(ngram, 1), Arm(ngram, 3), Arm(skip, 1), Arm(skip, 2), Arm(None, 0)]
+    arms = [Arm(ngram, 1), Arm(ngram, 3), Arm.of_tree(ngram, TreeShape.parse("2x1x1")),
+            Arm(skip, 1), Arm(skip, 2), Arm(None, 0)]
     ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 24).rows
     policy = SharedDepthThompson(len(arms), 0, reward="tps", reward_scale=200.0)
-    rows = SpecEngine(model, arms, policy).generate(prompts, 24).rows
+    engine = SpecEngine(model, arms, policy, planner=WidthPlanner() if planned else None)
+    rows = engine.generate(prompts, 24).rows
     assert [r.tokens for r in rows] == [r.tokens for r in ar]
     assert policy.t > 0 and policy._reach.sum() > 0
-    assert set(policy.depth_rates) == {"ngram", "skip1"}
+    assert set(policy.depth_rates) == {"ngram", "ngram@2x1x1", "skip1"}
     with pytest.raises(FlashSpecError, match="resident_loop=false"):
         SpecEngine(model, arms, SharedDepthThompson(len(arms), 0, reward="tps"), resident=True)
