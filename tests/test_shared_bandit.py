@@ -45,7 +45,7 @@ def test_expected_accepted_is_the_sum_of_survival_products():
     alphas = [0.9, 0.8, 0.7]   # the simulated chains accept that many drafts on average
     scn = make_chain_scenario("c", 200_000, {"d": alphas}, [("d", 3)], reward_kind="alpha")
     assert draw_chains(scn, [1])[0, :, 0].mean() == pytest.approx(0.9 + 0.72 + 0.504, abs=0.01)
-    assert scn.means[0] == pytest.approx((0.9 + 0.72 + 0.504) / 3)
+    assert scn.arm_means[0] == pytest.approx((0.9 + 0.72 + 0.504) / 3)
 
 
 def test_outcomes_are_checked_and_trees_learn_on_their_own():
@@ -90,7 +90,7 @@ def test_shared_regret_far_below_independent_arms():
     every arm on its own (both told the reward range), on three seeds of eight replicates."""
     horizon = 1500
     scn = make_chain_scenario("chain", horizon, {"d": ALPHAS}, [("d", g) for g in GAMMAS], COSTS)
-    assert scn.means.argmax() == 3
+    assert scn.arm_means.argmax() == 3
     scale = max((1 + g) / c for g, c in zip(GAMMAS, COSTS))
     for base in (0, 1, 2):
         runs = draw_chains(scn, env_seeds(base, "chain", 8, 0))

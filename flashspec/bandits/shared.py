@@ -199,15 +199,16 @@ class SharedDepthThompson(Policy):
         ``spec``'s drafter, read at ``spec.depth`` (NaN with fewer than two depths played)."""
         sib = [j for j, s in enumerate(self.arm_specs)
                if s.drafter == spec.drafter and s.tree is None]
-        x = self.depth_of[sib].astype(float)
-        out = np.full(self.n_envs, np.nan)
-        for b in range(self.n_envs):
-            m = played[b, sib]
-            if len(set(x[m].tolist())) < 2:
-                continue
-            slope, icept = np.polyfit(x[m], own[b, sib][m], 1)
-            out[b] = max(icept + slope * spec.depth, 1e-12)
-        return out
+        x = self.depth_of[sib].astype(float)[None, :]
+        m = played[:, sib].astype(float)
+        y = np.nan_to_num(own[:, sib])
+        n, sx, sy = m.sum(1), (m * x).sum(1), (m * y).sum(1)
+        sxx, sxy = (m * x * x).sum(1), (m * x * y).sum(1)
+        spread = n * sxx - sx * sx          # > 0 iff two distinct depths were played
+        ok = spread > 1e-9
+        slope = np.divide(n * sxy - sx * sy, spread, out=np.zeros_like(n), where=ok)
+        icept = np.divide(sy - slope * sx, n, out=np.zeros_like(n), where=ok)
+        return np.where(ok, np.maximum(icept + slope * spec.depth, 1e-12), np.nan)
 
     # ---------------------------------------------------------------- learning
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:

@@ -138,8 +138,9 @@ class ChainScenario:
     survives depth d with probability ``alphas[drafter][d - 1]`` given it reached d (one draw per
     drafter and round, shared by its arms: a chain of γ accepts min(run, γ) drafts). An arm's
     reward is the engine's (:func:`flashspec.bandits.rewards.reward`) for a one-row step of
-    cost ``costs[k]`` seconds; regret is against the known expected rewards (``means``: α =
-    E[n | γ] / γ, tps = (1 + E[n | γ]) / cost)."""
+    cost ``costs[k]`` seconds; regret is against the known expected rewards (``arm_means``:
+    α = E[n | γ] / γ, tps = (1 + E[n | γ]) / cost). ``means`` / ``gaps`` / ``domains`` /
+    ``spec`` read like :class:`Scenario`'s, so the bandit_sim records treat both alike."""
 
     name: str
     arms: list[ArmSpec]
@@ -147,6 +148,9 @@ class ChainScenario:
     costs: np.ndarray        # [K] step seconds of each arm
     reward: str
     horizon: int
+    spec: dict[str, Any] = field(default_factory=dict)
+    domains: list[str] | None = None
+    rewards: str = "chains"
 
     @property
     def n_arms(self) -> int:
@@ -157,33 +161,58 @@ class ChainScenario:
         return list(self.alphas)
 
     @property
-    def means(self) -> np.ndarray:
+    def arm_means(self) -> np.ndarray:
         """``[K]`` expected reward of each arm."""
         exp_n = np.array([expected_accepted(self.alphas[a.drafter])[a.depth] for a in self.arms])
         depth = np.array([a.depth for a in self.arms], dtype=float)
         return exp_n / depth if self.reward == "alpha" else (1.0 + exp_n) / self.costs
+
+    @property
+    def reward_range(self) -> float:
+        """The largest reward a step can earn (a policy's ``reward_scale``)."""
+        if self.reward == "alpha":
+            return 1.0
+        return float(max((1.0 + a.depth) / c for a, c in zip(self.arms, self.costs)))
+
+    @property
+    def means(self) -> np.ndarray:
+        """``[T, K]`` (stationary: every round's row is :attr:`arm_means`)."""
+        return np.broadcast_to(self.arm_means, (self.horizon, self.n_arms))
+
+    @property
+    def gaps(self) -> np.ndarray:
+        return self.means.max(axis=1, keepdims=True) - self.means
 
     def context(self, t: int) -> dict[str, Any]:
         return {"step": t, "domain": None}
 
 
 def make_chain_scenario(name: str, horizon: int, alphas: Mapping[str, Sequence[float]],
-                        arms: Sequence[tuple[str, int]], costs: Sequence[float] | None = None,
+                        arms: Sequence[tuple[str, int] | str], costs: Sequence[float] | None = None,
                         reward_kind: str = "tps") -> ChainScenario:
-    """``arms``: (drafter, γ) pairs over the drafters of ``alphas`` (per-depth rates, at least
-    γ of them); ``costs``: step seconds per arm (default 1: only acceptance matters)."""
+    """``arms``: (drafter, γ) pairs, or their names ``drafter@γ``, over the drafters of
+    ``alphas`` (per-depth rates, at least γ of them); ``costs``: step seconds per arm
+    (default 1: only acceptance matters); ``reward_kind``: ``tps`` or ``alpha``."""
     table = {d: np.asarray(a, dtype=float) for d, a in alphas.items()}
-    specs = [ArmSpec(d, int(g)) for d, g in arms]
+    pairs = [a.rsplit("@", 1) if isinstance(a, str) else a for a in arms]
+    specs = [ArmSpec(str(d), int(g)) for d, g in pairs]
     for a in specs:
         if a.drafter not in table or not 1 <= a.depth <= len(table[a.drafter]):
             raise FlashSpecError(f"chain scenario {name}: arm {a.drafter}@{a.depth} needs a "
                                  f"drafter of {list(table)} with >= {a.depth} per-depth rates")
     if any(v.min() < 0 or v.max() > 1 for v in table.values()):
         raise FlashSpecError(f"chain scenario {name}: per-depth rates must lie in [0, 1]")
+    if reward_kind not in ("alpha", "tps"):
+        raise FlashSpecError(f"chain scenario {name}: reward {reward_kind!r}; choose alpha or tps")
     cost = np.ones(len(specs)) if costs is None else np.asarray(costs, dtype=float)
     if cost.shape != (len(specs),) or not (cost > 0).all():
         raise FlashSpecError(f"chain scenario {name}: need {len(specs)} positive arm costs")
-    return ChainScenario(name, specs, table, cost, reward_kind, int(horizon))
+    spec = {"alphas": _plain(alphas), "arms": [f"{a.drafter}@{a.depth}" for a in specs],
+            "costs": cost.tolist(), "reward": reward_kind, "change_points": [],
+            "horizon": int(horizon), "means": _plain(None)}
+    scn = ChainScenario(name, specs, table, cost, reward_kind, int(horizon), spec)
+    scn.spec["means"] = _plain(scn.arm_means)
+    return scn
 
 
 def draw_chains(scn: ChainScenario, seeds: Sequence[int]) -> np.ndarray:
@@ -217,7 +246,7 @@ def simulate_chains(policy: Policy, scn: ChainScenario, runs: np.ndarray) -> Sim
                       for g, k, c in zip(depth[a], acc, scn.costs[a])])
         outcome = StepOutcome(depth[a][:, None], acc[:, None])
         policy.update_many(a, r, scn.costs[a], {**ctx, "outcome": outcome})
-    gaps = scn.means.max() - scn.means
+    gaps = scn.arm_means.max() - scn.arm_means
     return SimResult(arms, np.cumsum(gaps[arms], axis=1))
 
 
