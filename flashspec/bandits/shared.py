@@ -62,7 +62,9 @@ class SharedDepthThompson(Policy):
       measures (see :mod:`flashspec.bandits.rate`), not the mean of per-step tok/s.
 
     ``update`` reads ``context["outcome"]`` (a :class:`~flashspec.bandits.base.StepOutcome`,
-    :attr:`outcome_keys`): the drafts each row verified and accepted in the finished step.
+    :attr:`outcome_keys`): the drafts each row verified and accepted in the finished step. For
+    a drafter's arm the reward value itself is not used: the outcome carries more (which depth
+    failed), and the reward follows from it and the cost (:func:`~flashspec.bandits.reward`).
     ``arms``: what each arm is (:class:`ArmSpec`, or mappings with its fields); the engine
     supplies them through :meth:`bind_arms`.
     """
