@@ -14,7 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from experiments.harness import build, run_dir
-from flashspec.bandits.sim import Scenario, SimResult, draw_rewards, env_seeds, make_scenario, simulate
+from flashspec.bandits.sim import (ChainScenario, Scenario, SimResult, draw_chains, draw_rewards,
+                                   env_seeds, make_chain_scenario, make_scenario, simulate,
+                                   simulate_chains)
 from flashspec.errors import FlashSpecError
 from flashspec.records import NullLogger
 from flashspec.theory import lai_robbins_bound, ucb1_regret_bound
@@ -61,38 +63,58 @@ def _size(exp: DictConfig, smoke: bool) -> dict[str, int]:
 
 
 def _jobs(exp: DictConfig, policies: dict, size: dict[str, int],
-          seed: int) -> list[tuple[Scenario, np.ndarray, str]]:
-    """(scenario, rewards [seeds, T, K], policy label) for every pair to simulate."""
+          seed: int) -> list[tuple[Scenario | ChainScenario, np.ndarray, str]]:
+    """(scenario, rewards [seeds, T, K] or a chain scenario's accepted runs [seeds, T,
+    drafters], policy label) for every pair to simulate."""
     jobs = []
     horizon, n_seeds = size["horizon"], size["n_seeds"]
     for name, spec in OmegaConf.to_container(exp.scenarios, resolve=True).items():
+        if "chains" in spec:   # arms (drafter, γ) sharing each drafter's per-depth acceptance
+            c = spec["chains"]
+            scn = make_chain_scenario(name, horizon, c["alphas"], c["arms"], c.get("costs"),
+                                      c.get("reward", "tps"))
+            scn.spec["title"] = spec.get("title", name)
+            rewards = draw_chains(scn, env_seeds(seed, name, n_seeds, 0))
+            labels = spec.get("policies") or list(exp.default_policies)
+            _check_labels(name, labels, policies)
+            jobs += [(scn, rewards, label) for label in labels]
+            continue
         changes = [round(f * horizon) for f in spec.get("change_fractions") or ()]
         scn = make_scenario(name, horizon, spec["means"], spec.get("rewards", "bernoulli"),
                             spec.get("concentration", 10.0), changes, spec.get("domain_probs"), seed)
         scn.spec["title"] = spec.get("title", name)
         rewards = draw_rewards(scn, env_seeds(seed, name, n_seeds, 0))
         labels = spec.get("policies") or list(exp.default_policies)
-        missing = [p for p in labels if p not in policies]
-        if missing:
-            raise FlashSpecError(f"scenario {name} lists policies {missing} absent from "
-                                 f"experiment.policies ({', '.join(policies)})")
+        _check_labels(name, labels, policies)
         jobs += [(scn, rewards, label) for label in labels]
     return jobs
 
 
-def _run_one(scn: Scenario, rewards: np.ndarray, label: str, pcfg: dict, size: dict[str, int],
+def _check_labels(name: str, labels: list[str], policies: dict) -> None:
+    missing = [p for p in labels if p not in policies]
+    if missing:
+        raise FlashSpecError(f"scenario {name} lists policies {missing} absent from "
+                             f"experiment.policies ({', '.join(policies)})")
+
+
+def _run_one(scn: Scenario | ChainScenario, rewards: np.ndarray, label: str, pcfg: dict, size: dict[str, int],
              seed: int, progress: bool) -> dict[str, Any]:
     # what the scenario knows and the policy config asks for (the oracle's means, EXP3's horizon)
     overrides = {k: v for k, v in {"means": scn.means, "horizon": scn.horizon}.items() if k in pcfg}
+    if isinstance(scn, ChainScenario):   # every policy learns the scenario's reward, in range
+        overrides.update(reward=scn.reward, reward_scale=scn.reward_range)
     seeds = env_seeds(seed, scn.name, rewards.shape[0], 1)
     policy = build(pcfg)(scn.n_arms, seeds, **overrides)
     start = time.perf_counter()
-    res = simulate(policy, scn, rewards, policy.full_info, progress, desc=f"{scn.name}/{label}")
+    if isinstance(scn, ChainScenario):
+        res = simulate_chains(policy, scn, rewards)
+    else:
+        res = simulate(policy, scn, rewards, policy.full_info, progress, desc=f"{scn.name}/{label}")
     wall = time.perf_counter() - start
     return _record(scn, label, pcfg, res, size["n_points"], wall)
 
 
-def _record(scn: Scenario, label: str, pcfg: dict, res: SimResult, n_points: int, wall: float) -> dict:
+def _record(scn: Scenario | ChainScenario, label: str, pcfg: dict, res: SimResult, n_points: int, wall: float) -> dict:
     horizon = scn.horizon
     ts = np.unique(np.linspace(1, horizon, n_points).round().astype(int))
     curve = res.regret[:, ts - 1]
@@ -122,8 +144,11 @@ def _record(scn: Scenario, label: str, pcfg: dict, res: SimResult, n_points: int
     return rec
 
 
-def _bounds(scn: Scenario, ts: np.ndarray) -> dict[str, Any]:
+def _bounds(scn: Scenario | ChainScenario, ts: np.ndarray) -> dict[str, Any]:
     """UCB1 upper bound (and the Bernoulli Lai-Robbins lower bound) for stationary scenarios."""
+    if isinstance(scn, ChainScenario):
+        return {"ucb1_bound": None, "bound_note": "no UCB1 bound: chain arms share outcomes and "
+                                                  "tokens per second is not a rate in [0, 1]"}
     stationary = scn.domains is None and not scn.spec["change_points"]
     if not stationary:
         return {"ucb1_bound": None, "bound_note": "no UCB1 bound: the means are not stationary"}

@@ -165,6 +165,9 @@ BANDIT_SIM = {"horizon": POSITIVE, "n_seeds": POSITIVE, "n_points": POSITIVE, "r
               "scenarios.*.change_fractions.*": number(0, 1, lo_open=True, hi_open=True),
               "scenarios.*.policies": TEXTS, "scenarios.*.means": nested(number(0, 1)),
               "scenarios.*.domain_probs.*": number(0, 1), "paper.scenario": TEXT,
+              "scenarios.*.chains.alphas.*": nested(number(0, 1)),
+              "scenarios.*.chains.arms": TEXTS, "scenarios.*.chains.reward": choice("alpha", "tps"),
+              "scenarios.*.chains.costs": nested(number(0, lo_open=True)),
               "paper.ucb1": number(0), "paper.thompson": number(0), "paper.bound": number(0),
               **{f"{where}.{k}": v for where in ("policies.*", "policies.*.inner")
                  for k, v in BANDIT.items()}}

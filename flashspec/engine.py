@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from flashspec.bandits.base import Policy
+from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
 from flashspec.bandits.index import FixedArm
 from flashspec.bandits.rewards import reward
 from flashspec.drafters.base import DecodeState, Drafter
@@ -140,6 +141,10 @@ class SpecEngine:
         if self.policy.n_arms != len(self.arms):
             raise FlashSpecError(f"the policy was built for {self.policy.n_arms} arms; the engine "
                                  f"has {len(self.arms)}")
+        self.policy.bind_arms([ArmSpec(a.drafter.name if a.drafter is not None else None,
+                                       a.gamma if a.drafter is not None else 0,
+                                       a.tree.label if a.tree is not None else None)
+                               for a in self.arms])
         self.planner = planner
         self.reward_kind = self.policy.reward_kind
         adaptive = len(self.arms) > 1 and self.policy.learns
@@ -167,6 +172,11 @@ class SpecEngine:
             if extra:
                 raise FlashSpecError(f"the resident loop gives policies the step and domain only; "
                                      f"{self.policy.label} reads {sorted(extra)}")
+            if self.policy.outcome_keys:   # its chunks report sums, not each step's accepted n
+                raise FlashSpecError(f"the resident loop reports chunk totals, not each step's "
+                                     f"accepted drafts; {self.policy.label} reads "
+                                     f"{list(self.policy.outcome_keys)}: use "
+                                     "hardware.resident_loop=false")
             if self.chunk < 1:
                 raise FlashSpecError(f"resident chunk must be >= 1, got {chunk}")
         self._retired_capture_s = 0.0   # capture time of step runners replaced with their cache
@@ -410,10 +420,14 @@ class SpecEngine:
             active = [not f for f in state.finished]
             if arm.tree is not None:
                 out, n_acc, t_draft = self._tree_step(state, arm, ts)
+                verified = [arm.gamma] * state.batch
             else:
                 drafts, draft_logits = self._propose(state, arm)
                 t_draft = time.perf_counter() - ts
                 out, n_acc = self._verify(state, drafts, draft_logits)
+                # the planner's real drafts per row, else the width verified (an n-gram
+                # drafter's may fall short of γ)
+                verified = real if self.planner is not None else [drafts.shape[1]] * state.batch
             self._commit(state, out, n_acc, budgets)
             for drafter in self.drafters:
                 drafter.observe(state, n_acc)
@@ -431,7 +445,8 @@ class SpecEngine:
                 for row, live in zip(rows, active):
                     if live:
                         row.rewards.append(r)
-                self.policy.update(arm_id, r, step_s[-1], context)
+                self.policy.update(arm_id, r, step_s[-1], self._outcome(context, arm_id, arm,
+                                                                        verified, n_acc, active))
         for b, row in enumerate(rows):
             row.tokens = state.host_tokens[b][row.n_prompt_tokens:]
         t1 = time.perf_counter()
@@ -527,6 +542,20 @@ class SpecEngine:
             return None
         return 0.0 if empty else reward(self.reward_kind, proposed, accepted, wall_s,
                                         max(draft_s, 1e-9), n_rows=n_rows)
+
+    def _outcome(self, context: dict, arm_id: int, played: Arm, verified: list[int],
+                 n_acc: list[int], active: list[bool]) -> dict:
+        """The update context: ``context`` plus, for a policy that reads it, what the finished
+        step revealed per live row (drafts verified and accepted; the played arm may be the
+        planner's cut of the chosen one, a tree played as a chain of its drafter included)."""
+        if "outcome" not in self.policy.outcome_keys:
+            return context
+        tried = [m if live and played.drafter is not None else 0
+                 for live, m in zip(active, verified)]
+        accepted = [min(n, k) for n, k in zip(n_acc, tried)]
+        as_chain = self.arms[arm_id].tree is not None and played.tree is None
+        return {**context, "outcome": StepOutcome(np.array([tried]), np.array([accepted]),
+                                                  chain=as_chain)}
 
     def _context(self, state: DecodeState, step: int, domain: str | None) -> dict:
         """What the policy may condition on: step, domain, and drafter features it asks for."""

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 import flashspec.bandits as bandits
 from flashspec.bandits import (EXP3, UCB1, DiscountedThompson, EpsilonGreedy, FixedArm, Oracle,
-                               PerDomain, Policy, RateThompson, SlidingWindowUCB, ThompsonSampling,
-                               reward)
+                               PerDomain, Policy, RateThompson, SharedDepthThompson,
+                               SlidingWindowUCB, ThompsonSampling, reward)
 from flashspec.bandits.sim import draw_rewards, env_seeds, make_scenario, simulate
 from flashspec.errors import FlashSpecError
 from flashspec.theory import bernoulli_kl, lai_robbins_bound, ucb1_regret_bound
@@ -23,12 +23,12 @@ from flashspec.theory import bernoulli_kl, lai_robbins_bound, ucb1_regret_bound
 ROOT = Path(__file__).resolve().parents[1]
 EASY = [0.2, 0.8, 0.5]  # best arm 1
 STOCHASTIC = ["eps_greedy", "ucb1", "thompson", "sw_ucb", "d_thompson", "exp3", "contextual",
-              "rate_thompson"]
+              "rate_thompson", "shared"]
 # Every policy class by its name (= the stem of the conf/bandit/<name>.yaml that builds it);
 # tests build them with the class defaults.
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (
     FixedArm, EpsilonGreedy, UCB1, ThompsonSampling, SlidingWindowUCB, DiscountedThompson,
-    EXP3, Oracle, PerDomain, RateThompson)}
+    EXP3, Oracle, PerDomain, RateThompson, SharedDepthThompson)}
 
 
 def _policy(name: str, n_arms: int, seeds, horizon: int, means=None):

@@ -11,6 +11,7 @@ target distribution, which is what keeps speculative decoding exact whatever it 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,6 +20,32 @@ from flashspec.bandits.rewards import REWARD_KINDS
 from flashspec.errors import FlashSpecError
 
 Context = dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """What an arm is, as far as a policy may know: its drafter's name (None: no speculation),
+    its depth (γ, or a draft tree's depth: the most drafts one step can accept) and the tree
+    shape's label (None: a chain). Arms of one drafter share what its chains reveal."""
+
+    drafter: str | None
+    depth: int
+    tree: str | None = None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a finished step revealed, given to ``update`` under ``context["outcome"]`` to a
+    policy that lists ``"outcome"`` in :attr:`Policy.outcome_keys`: per replicate and batch row,
+    the drafts the step verified (``tried``; 0 for a row that was not live or had no drafts)
+    and how many of them the target accepted. ``chain``: a tree arm was played as a chain of
+    its drafter (the width planner's choice). It describes the past step only, never the draft
+    the next ``select`` will be made for.
+    """
+
+    tried: np.ndarray      # [n_envs, rows] ints
+    accepted: np.ndarray   # [n_envs, rows] ints, 0 <= accepted <= tried
+    chain: bool = False
 
 
 class UniformStream:
@@ -62,7 +89,8 @@ class Policy:
 
     Class attributes declare the rest of what the engine reads: ``learns`` (False for a
     policy whose choice never depends on feedback) and :attr:`context_keys` (context entries
-    the policy conditions on; the engine computes drafter features only when asked).
+    the policy conditions on; the engine computes drafter features only when asked) and
+    :attr:`outcome_keys` (what ``update`` reads of the finished step besides its reward).
     """
 
     name = "policy"
@@ -92,11 +120,26 @@ class Policy:
         self._counts = np.zeros(shape)
         self._sums = np.zeros(shape)
         self._cost_sums = np.zeros(shape)
+        self.arm_specs: list[ArmSpec] | None = None   # what each arm is, once bound
 
     @property
     def context_keys(self) -> tuple[str, ...]:
         """Context entries this policy reads besides ``step`` and ``domain`` (none here)."""
         return ()
+
+    @property
+    def outcome_keys(self) -> tuple[str, ...]:
+        """Update-context entries describing the finished step (``"outcome"``: a
+        :class:`StepOutcome`) this policy reads; the engine builds them only when asked."""
+        return ()
+
+    def bind_arms(self, arms: Sequence[ArmSpec]) -> None:
+        """Told once, before any step, what each arm is (the engine calls it). A policy that
+        treats arms as unrelated (every one here but :mod:`flashspec.bandits.shared`) only
+        checks the count."""
+        if len(arms) != self.n_arms:
+            raise FlashSpecError(f"bandit: told {len(arms)} arms, built for {self.n_arms}")
+        self.arm_specs = list(arms)
 
     @property
     def label(self) -> str:

@@ -5,7 +5,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flashspec.bandits.base import Context, Policy
+from flashspec.bandits.base import ArmSpec, Context, Policy
 from flashspec.bandits.thompson import ThompsonSampling
 from flashspec.errors import FlashSpecError
 from flashspec.seeds import derive_seed
@@ -41,6 +41,16 @@ class PerDomain(Policy):
         return (self.key,)
 
     @property
+    def outcome_keys(self) -> tuple[str, ...]:
+        return self._policy(None).outcome_keys
+
+    def bind_arms(self, arms: Sequence[ArmSpec]) -> None:
+        """Every inner policy, present and future, is told what the arms are."""
+        super().bind_arms(arms)
+        for p in self.policies.values():
+            p.bind_arms(arms)
+
+    @property
     def label(self) -> str:
         inner = "" if self.inner_name == "thompson" else f"({self.inner_name})"
         key = "" if self.key == "domain" else f"[{self.key}]"
@@ -50,6 +60,8 @@ class PerDomain(Policy):
         if key not in self.policies:
             seeds = [derive_seed(s, key) for s in self.seeds]
             self.policies[key] = self.inner(self.n_arms, seeds, reward_scale=self.reward_scale)
+            if self.arm_specs is not None:
+                self.policies[key].bind_arms(self.arm_specs)
         return self.policies[key]
 
     def _key(self, context: Context) -> object:

@@ -14,7 +14,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from flashspec.bandits.base import Policy
+from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
+from flashspec.bandits.rewards import reward
+from flashspec.bandits.shared import expected_accepted
 from flashspec.errors import FlashSpecError
 
 REWARD_DISTS = ("bernoulli", "beta")
@@ -128,6 +130,124 @@ def simulate(policy: Policy, scn: Scenario, rewards: np.ndarray, full_info: bool
             policy.update_many(a, rewards[rows, t, a].astype(float), None, ctx)
     inst = scn.gaps[np.arange(horizon)[None, :], arms]
     return SimResult(arms, np.cumsum(inst, axis=1))
+
+
+@dataclass
+class ChainScenario:
+    """Arms (drafter, γ) whose steps are drafted chains: each round every drafter's chain
+    survives depth d with probability ``alphas[drafter][d - 1]`` given it reached d (one draw per
+    drafter and round, shared by its arms: a chain of γ accepts min(run, γ) drafts). An arm's
+    reward is the engine's (:func:`flashspec.bandits.rewards.reward`) for a one-row step of
+    cost ``costs[k]`` seconds; regret is against the known expected rewards (``arm_means``:
+    α = E[n | γ] / γ, tps = (1 + E[n | γ]) / cost). ``means`` / ``gaps`` / ``domains`` /
+    ``spec`` read like :class:`Scenario`'s, so the bandit_sim records treat both alike."""
+
+    name: str
+    arms: list[ArmSpec]
+    alphas: dict[str, np.ndarray]
+    costs: np.ndarray        # [K] step seconds of each arm
+    reward: str
+    horizon: int
+    spec: dict[str, Any] = field(default_factory=dict)
+    domains: list[str] | None = None
+    rewards: str = "chains"
+
+    @property
+    def n_arms(self) -> int:
+        return len(self.arms)
+
+    @property
+    def drafters(self) -> list[str]:
+        return list(self.alphas)
+
+    @property
+    def arm_means(self) -> np.ndarray:
+        """``[K]`` expected reward of each arm."""
+        exp_n = np.array([expected_accepted(self.alphas[a.drafter])[a.depth] for a in self.arms])
+        depth = np.array([a.depth for a in self.arms], dtype=float)
+        return exp_n / depth if self.reward == "alpha" else (1.0 + exp_n) / self.costs
+
+    @property
+    def reward_range(self) -> float:
+        """The largest reward a step can earn (a policy's ``reward_scale``)."""
+        if self.reward == "alpha":
+            return 1.0
+        return float(max((1.0 + a.depth) / c for a, c in zip(self.arms, self.costs)))
+
+    @property
+    def means(self) -> np.ndarray:
+        """``[T, K]`` (stationary: every round's row is :attr:`arm_means`)."""
+        return np.broadcast_to(self.arm_means, (self.horizon, self.n_arms))
+
+    @property
+    def gaps(self) -> np.ndarray:
+        return self.means.max(axis=1, keepdims=True) - self.means
+
+    def context(self, t: int) -> dict[str, Any]:
+        return {"step": t, "domain": None}
+
+
+def make_chain_scenario(name: str, horizon: int, alphas: Mapping[str, Sequence[float]],
+                        arms: Sequence[tuple[str, int] | str], costs: Sequence[float] | None = None,
+                        reward_kind: str = "tps") -> ChainScenario:
+    """``arms``: (drafter, γ) pairs, or their names ``drafter@γ``, over the drafters of
+    ``alphas`` (per-depth rates, at least γ of them); ``costs``: step seconds per arm
+    (default 1: only acceptance matters); ``reward_kind``: ``tps`` or ``alpha``."""
+    table = {d: np.asarray(a, dtype=float) for d, a in alphas.items()}
+    pairs = [a.rsplit("@", 1) if isinstance(a, str) else a for a in arms]
+    specs = [ArmSpec(str(d), int(g)) for d, g in pairs]
+    for a in specs:
+        if a.drafter not in table or not 1 <= a.depth <= len(table[a.drafter]):
+            raise FlashSpecError(f"chain scenario {name}: arm {a.drafter}@{a.depth} needs a "
+                                 f"drafter of {list(table)} with >= {a.depth} per-depth rates")
+    if any(v.min() < 0 or v.max() > 1 for v in table.values()):
+        raise FlashSpecError(f"chain scenario {name}: per-depth rates must lie in [0, 1]")
+    if reward_kind not in ("alpha", "tps"):
+        raise FlashSpecError(f"chain scenario {name}: reward {reward_kind!r}; choose alpha or tps")
+    cost = np.ones(len(specs)) if costs is None else np.asarray(costs, dtype=float)
+    if cost.shape != (len(specs),) or not (cost > 0).all():
+        raise FlashSpecError(f"chain scenario {name}: need {len(specs)} positive arm costs")
+    spec = {"alphas": _plain(alphas), "arms": [f"{a.drafter}@{a.depth}" for a in specs],
+            "costs": cost.tolist(), "reward": reward_kind, "change_points": [],
+            "horizon": int(horizon), "means": _plain(None)}
+    scn = ChainScenario(name, specs, table, cost, reward_kind, int(horizon), spec)
+    scn.spec["means"] = _plain(scn.arm_means)
+    return scn
+
+
+def draw_chains(scn: ChainScenario, seeds: Sequence[int]) -> np.ndarray:
+    """``[n_seeds, T, n_drafters]`` accepted-run length of each drafter's chain every round."""
+    out = np.empty((len(seeds), scn.horizon, len(scn.drafters)), dtype=np.int64)
+    for i, s in enumerate(seeds):
+        rng = np.random.default_rng(s)
+        for j, d in enumerate(scn.drafters):
+            ok = rng.random((scn.horizon, len(scn.alphas[d]))) < scn.alphas[d]
+            out[i, :, j] = np.cumprod(ok, axis=1).sum(axis=1)   # leading accepts
+    return out
+
+
+def simulate_chains(policy: Policy, scn: ChainScenario, runs: np.ndarray) -> SimResult:
+    """Run ``policy`` on a chain scenario; every update carries the step's
+    :class:`~flashspec.bandits.base.StepOutcome` (read by policies that ask for it)."""
+    n = runs.shape[0]
+    if policy.n_envs != n or policy.n_arms != scn.n_arms:
+        raise FlashSpecError(f"simulate_chains: policy has {policy.n_envs} replicates x "
+                             f"{policy.n_arms} arms, runs are {runs.shape}, {scn.n_arms} arms")
+    policy.bind_arms(scn.arms)
+    col = np.array([scn.drafters.index(a.drafter) for a in scn.arms])
+    depth = np.array([a.depth for a in scn.arms])
+    arms = np.empty((n, scn.horizon), dtype=np.int64)
+    for t in range(scn.horizon):
+        ctx = scn.context(t)
+        a = policy.select_many(ctx)
+        arms[:, t] = a
+        acc = np.minimum(runs[np.arange(n), t, col[a]], depth[a])
+        r = np.array([reward(scn.reward, int(g), int(k), wall_s=float(c))
+                      for g, k, c in zip(depth[a], acc, scn.costs[a])])
+        outcome = StepOutcome(depth[a][:, None], acc[:, None])
+        policy.update_many(a, r, scn.costs[a], {**ctx, "outcome": outcome})
+    gaps = scn.arm_means.max() - scn.arm_means
+    return SimResult(arms, np.cumsum(gaps[arms], axis=1))
 
 
 def _plain(x: Any) -> Any:
