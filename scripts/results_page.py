@@ -124,9 +124,14 @@ def _field(rec: dict[str, Any], field: str | list[str], where: dict[str, Any], p
     """A record's `field`, or with `field: [a, b]` its a / b (a share the record holds as two counts)."""
     if isinstance(field, list):
         return _field(rec, field[0], where, path) / _field(rec, field[1], where, path)
-    if field not in rec or rec[field] is None:
+    value: Any = rec.get(field)
+    if field not in rec and "." in field:   # a nested key: verify_ms.7 is rec["verify_ms"]["7"]
+        value = rec
+        for key in field.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+    if value is None:
         raise SelectorError(f"{path.relative_to(ROOT)}: no {field!r} in a record matching {where}")
-    return float(rec[field])
+    return float(value)
 
 
 # One value from many: median over prompts, mean over seeds; `range` keeps them all (lo–hi).
@@ -140,12 +145,15 @@ def measure(spec: dict[str, Any]) -> list[float]:
     `where` (field values a record must have; null: the record lacks the field), `field` (the value
     read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
     file, the record whose `field` divides it: `over: {method: ar_res}` is "× the resident AR of
-    the same cell"). `agg: pooled` takes `field: [numerator, denominator]` and returns one value,
+    the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,
+    for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator, denominator]` and returns one value,
     sum over sum (tok/s pooled over prompts); `agg: median | mean | min | max` returns one value of
     the matches; `agg: range` all of them. `pattern` (a regular expression with one group) reads
     the numbers it matches in the files' text instead of records, for what a run only printed.
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
-    values, or of two runs). `scale` multiplies the result (100 for a percentage, 1000 for ms).
+    values, or of two runs). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
+    `offset` is added to it (τ is 1 + accepted drafts per step: pooled [n_accepted, steps], offset 1).
+    A `field` with a dot that is no key of the record is a path into nested objects (verify_ms.7).
     """
     if "ratio" in spec:
         num, den = (_single(s) for s in spec["ratio"])
@@ -168,7 +176,8 @@ def measure(spec: dict[str, Any]) -> list[float]:
                 continue
             value = _field(rec, spec["field"], where, path)
             if "over" in spec:
-                value /= _field(_one(records, {**where, **spec["over"]}, path), spec["field"], where, path)
+                same = {k: rec.get(k) for k in spec.get("pair") or []}
+                value /= _field(_one(records, {**where, **spec["over"], **same}, path), spec["field"], where, path)
             out.append(value)
     if agg == "pooled":
         if den <= 0:
@@ -180,7 +189,7 @@ def measure(spec: dict[str, Any]) -> list[float]:
         out = [AGGREGATES[agg](out)]
     if agg == "one" and len(out) != 1:
         raise SelectorError(f"{spec['run']}/{spec['file']}: {len(out)} records match {where} (agg one wants 1)")
-    return [v * spec.get("scale", 1) for v in out]
+    return [v * spec.get("scale", 1) + spec.get("offset", 0) for v in out]
 
 
 def _single(spec: dict[str, Any]) -> float:
