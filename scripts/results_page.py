@@ -146,9 +146,9 @@ def measure(spec: dict[str, Any]) -> list[float]:
     read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
     file, the record whose `field` divides it: `over: {method: ar_res}` is "× the resident AR of
     the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,
-    for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator, denominator]` and returns one value,
-    sum over sum (tok/s pooled over prompts); `agg: median | mean | min | max` returns one value of
-    the matches; `agg: range` all of them. `pattern` (a regular expression with one group) reads
+    for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator,
+    denominator]` and returns one value, sum over sum (tok/s pooled over prompts); `agg: median |
+    mean | min | max` returns one value of the matches; `agg: range` all of them. `pattern` (a regular expression with one group) reads
     the numbers it matches in the files' text instead of records, for what a run only printed.
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
     values, or of two runs). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
