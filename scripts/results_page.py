@@ -126,10 +126,13 @@ def _field(rec: dict[str, Any], field: str | list[str], where: dict[str, Any], p
     if isinstance(field, list):
         return _field(rec, field[0], where, path) / _field(rec, field[1], where, path)
     value: Any = rec.get(field)
-    if field not in rec and "." in field:   # a nested key: verify_ms.7 is rec["verify_ms"]["7"]
+    if field not in rec and "." in field:   # verify_ms.7 is rec["verify_ms"]["7"], alpha_by_depth.0 its [0]
         value = rec
         for key in field.split("."):
-            value = value.get(key) if isinstance(value, dict) else None
+            if isinstance(value, list) and key.isdigit():
+                value = value[int(key)] if int(key) < len(value) else None
+            else:
+                value = value.get(key) if isinstance(value, dict) else None
     if value is None:
         raise SelectorError(f"{path.relative_to(ROOT)}: no {field!r} in a record matching {where}")
     return float(value)
@@ -155,7 +158,8 @@ def measure(spec: dict[str, Any]) -> list[float]:
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
     values, or of two runs). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
     `offset` is added to it (τ is 1 + accepted drafts per step: pooled [n_accepted, steps], offset 1).
-    A `field` with a dot that is no key of the record is a path into nested objects (verify_ms.7).
+    A `field` with a dot that is no key of the record is a path into nested objects and lists
+    (verify_ms.7, alpha_by_depth.0).
     """
     if "ratio" in spec:
         num, den = (_single(s) for s in spec["ratio"])
