@@ -156,14 +156,15 @@ def measure(spec: dict[str, Any]) -> list[float]:
     (a regular expression with one group) reads the numbers it matches in the files' text instead
     of records, for what a run only printed.
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
-    values, or of two runs). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
+    values, or of two runs), `difference: [selector, selector]` the first less the second (steps
+    launched past the end: launched less live). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
     `offset` is added to it (τ is 1 + accepted drafts per step: pooled [n_accepted, steps], offset 1).
     A `field` with a dot that is no key of the record is a path into nested objects and lists
     (verify_ms.7, alpha_by_depth.0).
     """
-    if "ratio" in spec:
-        num, den = (_single(s) for s in spec["ratio"])
-        return [num / den * spec.get("scale", 1)]
+    if "ratio" in spec or "difference" in spec:
+        a, b = (_single(s) for s in spec.get("ratio") or spec["difference"])
+        return [(a / b if "ratio" in spec else a - b) * spec.get("scale", 1) + spec.get("offset", 0)]
     where = spec.get("where") or {}
     agg = spec.get("agg", "one")
     if agg not in AGGREGATES and agg not in ("one", "range", "pooled"):

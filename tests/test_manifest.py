@@ -135,9 +135,9 @@ def _selectors(manifest: dict) -> list[tuple[str, dict]]:
 
 
 def _selector_runs(spec: dict) -> set[str]:
-    """The run directories a selector reads (`run` one or a list; a `ratio` its two terms')."""
-    if "ratio" in spec:
-        return set().union(*(_selector_runs(s) for s in spec["ratio"]))
+    """The run directories a selector reads (`run` one or a list; a `ratio` or `difference` its terms')."""
+    if "ratio" in spec or "difference" in spec:
+        return set().union(*(_selector_runs(s) for s in spec.get("ratio") or spec["difference"]))
     return set(spec["run"]) if isinstance(spec["run"], list) else {spec["run"]}
 
 
@@ -263,6 +263,8 @@ def test_a_median_over_prompts_pairs_each_prompt_with_its_own_ar(copied_page):
         return sum(r["n_new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
     ratio = {"ratio": [{**pooled, "where": {"method": "spec:ngram@8"}}, {**pooled, "where": {"method": "hf_compiled"}}]}
     assert page.measure(ratio) == [pytest.approx(tps("spec:ngram@8") / tps("hf_compiled"))]
+    difference = {"difference": ratio["ratio"], "scale": 2}
+    assert page.measure(difference) == [pytest.approx(2 * (tps("spec:ngram@8") - tps("hf_compiled")))]
     first = next(r for r in rows if r["method"] == "ar")
     path.write_text("\n".join(json.dumps(r) for r in rows if r is not first) + "\n")
     with pytest.raises(page.SelectorError):   # a prompt whose AR record is gone has nothing to divide by
