@@ -160,7 +160,7 @@ def measure(spec: dict[str, Any]) -> list[float]:
     launched past the end: launched less live). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
     `offset` is added to it (τ is 1 + accepted drafts per step: pooled [n_accepted, steps], offset 1).
     A `field` with a dot that is no key of the record is a path into nested objects and lists
-    (verify_ms.7, alpha_by_depth.0).
+    (verify_ms.7, alpha_by_depth.0); a field holding a list gives one value per element.
     """
     if "ratio" in spec or "difference" in spec:
         a, b = (_single(s) for s in spec.get("ratio") or spec["difference"])
@@ -180,6 +180,9 @@ def measure(spec: dict[str, Any]) -> list[float]:
             if agg == "pooled":
                 num += _field(rec, spec["field"][0], where, path)
                 den += _field(rec, spec["field"][1], where, path)
+                continue
+            if isinstance(spec["field"], str) and isinstance(rec.get(spec["field"]), list) and "over" not in spec:
+                out += [float(v) for v in rec[spec["field"]] if v is not None]
                 continue
             value = _field(rec, spec["field"], where, path)
             if "over" in spec:

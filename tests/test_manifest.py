@@ -285,6 +285,11 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     assert len(page.measure(repeats)) == 2
     with pytest.raises(page.SelectorError):   # two runs, one value each: agg one wants one
         page.measure({**repeats, "agg": "one"})
+    groups = {"run": "resident_catch_up", "file": "seed8484_greedy.jsonl", "agg": "range", "field": "per_group_tps",
+              "where": {"cell": "mt_b1", "method": "tree_dyn15d6k4_res_planner"}}
+    record = next(json.loads(line) for line in (results / "resident_catch_up/seed8484_greedy.jsonl").read_text().splitlines()
+                  if '"mt_b1"' in line and '"tree_dyn15d6k4_res_planner"' in line)
+    assert page.measure(groups) == [float(v) for v in record["per_group_tps"]]   # a list field: one value each
     bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
             "field": "floor_us"}
     assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
