@@ -110,8 +110,9 @@ def _files(spec: dict[str, Any]) -> list[Path]:
 
 
 def _match(rec: dict[str, Any], where: dict[str, Any]) -> bool:
-    """`where: {k: null}` asks for a record without k (or with k null)."""
-    return all(rec.get(k) is None if v is None else (k in rec and rec[k] == v) for k, v in where.items())
+    """`where: {k: null}` asks for a record without k (or with k null), `{k: [a, b]}` for k a or b."""
+    return all(rec.get(k) is None if v is None else rec.get(k) in v if isinstance(v, list)
+               else (k in rec and rec[k] == v) for k, v in where.items())
 
 
 def _one(records: list[dict[str, Any]], where: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -146,7 +147,8 @@ def measure(spec: dict[str, Any]) -> list[float]:
     """The values a selector reads from the records, one per matching record.
 
     A selector names `run` (a run directory, or a list of them), `file` (a glob inside it),
-    `where` (field values a record must have; null: the record lacks the field), `field` (the value
+    `where` (field values a record must have; null: the record lacks the field; a list: any of
+    its values), `field` (the value
     read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
     file, the record whose `field` divides it: `over: {method: ar_res}` is "× the resident AR of
     the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,

@@ -293,3 +293,7 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
             "field": "floor_us"}
     assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
+    either = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl", "field": "tps", "agg": "range",
+              "where": {"method": ["ar", "hf_compiled"]}}
+    rows = [json.loads(line) for line in (results / either["run"] / "records.jsonl").read_text().splitlines()]
+    assert sorted(page.measure(either)) == sorted(r["tps"] for r in rows if r["method"] in ("ar", "hf_compiled"))
