@@ -148,8 +148,7 @@ def measure(spec: dict[str, Any]) -> list[float]:
 
     A selector names `run` (a run directory, or a list of them), `file` (a glob inside it),
     `where` (field values a record must have; null: the record lacks the field; a list: any of
-    its values), `field` (the value
-    read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
+    its values), `field` (the value read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
     file, the record whose `field` divides it: `over: {method: ar_res}` is "× the resident AR of
     the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,
     for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator,
@@ -159,8 +158,10 @@ def measure(spec: dict[str, Any]) -> list[float]:
     of records, for what a run only printed.
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
     values, or of two runs), `difference: [selector, selector]` the first less the second (steps
-    launched past the end: launched less live). `scale` multiplies the result (100 for a percentage, 1000 for ms) and
-    `offset` is added to it (τ is 1 + accepted drafts per step: pooled [n_accepted, steps], offset 1).
+    launched past the end: launched less live). Each value is multiplied by `scale` (100 for a
+    percentage, 1000 for ms) and `offset` added (τ is 1 + accepted drafts per step: pooled
+    [n_accepted, steps], offset 1), `abs: true` takes its size, before `agg` (a prediction's
+    largest relative error: field [predicted, measured], scale 100, offset -100, abs, agg max).
     A `field` with a dot that is no key of the record is a path into nested objects and lists
     (verify_ms.7, alpha_by_depth.0); a field holding a list gives one value per element.
     """
@@ -197,11 +198,14 @@ def measure(spec: dict[str, Any]) -> list[float]:
         out = [num / den]
     if not out:
         raise SelectorError(f"{spec['run']}/{spec['file']}: no record matches {where or spec.get('pattern')}")
+    out = [v * spec.get("scale", 1) + spec.get("offset", 0) for v in out]
+    if spec.get("abs"):
+        out = [abs(v) for v in out]
     if agg in AGGREGATES:
         out = [AGGREGATES[agg](out)]
     if agg == "one" and len(out) != 1:
         raise SelectorError(f"{spec['run']}/{spec['file']}: {len(out)} records match {where} (agg one wants 1)")
-    return [v * spec.get("scale", 1) + spec.get("offset", 0) for v in out]
+    return out
 
 
 def _single(spec: dict[str, Any]) -> float:

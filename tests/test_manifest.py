@@ -293,6 +293,13 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
             "field": "floor_us"}
     assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
+    error = {"run": "head_decode_v2", "file": "*/head_summary.jsonl", "where": {"variant": ["trained_d8", "trunc_d8"]},
+             "field": ["rho_tps_pred", "rho_tps_meas"], "scale": 100, "offset": -100, "abs": True, "agg": "max"}
+    heads = [json.loads(line) for f in sorted(results.glob("head_decode_v2/*/head_summary.jsonl"))
+             for line in f.read_text().splitlines()]
+    worst = max(abs(r["rho_tps_pred"] / r["rho_tps_meas"] - 1) * 100 for r in heads if r["variant"] in ("trained_d8", "trunc_d8"))
+    assert page.measure(error) == [pytest.approx(worst)]
+    assert page.measure({**error, "abs": False, "agg": "min"})[0] < 0 < worst   # abs is what made it a size
     either = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl", "field": "tps", "agg": "range",
               "where": {"method": ["ar", "hf_compiled"]}}
     rows = [json.loads(line) for line in (results / either["run"] / "records.jsonl").read_text().splitlines()]
