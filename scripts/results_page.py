@@ -258,7 +258,7 @@ def headline(manifest: dict[str, Any]) -> str:
 
 
 def claim_text(claim: dict[str, Any]) -> str:
-    """A claim's sentence with its `{name}` values read from the records (typed text where it has none)."""
+    """A claim's sentence with its `{name}` values read from the records."""
     values = claim.get("values") or {}
     if not values:
         return claim["claim"]
@@ -275,9 +275,10 @@ def render(manifest: dict[str, Any]) -> str:
         "Every number FlashSpec publishes, with the records it comes from, the hardware, the command",
         "and the commit. This page is generated from `experiments/results/manifest.yaml` and the",
         "committed records by `python scripts/results_page.py`; `tests/test_manifest.py` fails when it",
-        "(or README's headline table) is out of date. Figures in *Headline* and in sentences with a",
-        "linked value are read from the records by the manifest's selectors; the other claims are the",
-        "sentences committed with their records, each naming its run directories.",
+        "(or README's headline table) is out of date. Figures in *Headline* and the measured numbers",
+        "of the claims are read from the records by the manifest's selectors; the numbers left in a",
+        "claim's words are its settings (seeds, prompt counts, shapes), or are marked *untraced* where",
+        "no committed record holds them. Each claim names its run directories.",
         "",
         "## Headline",
         "",
