@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import re
 import statistics
 import sys
@@ -140,7 +139,7 @@ def _field(rec: dict[str, Any], field: str | list[str], where: dict[str, Any], p
 
 
 # One value from many: median over prompts, mean over seeds; `range` keeps them all (lo–hi).
-AGGREGATES = {"median": statistics.median, "mean": statistics.fmean, "min": min, "max": max, "sum": math.fsum}
+AGGREGATES = {"median": statistics.median, "mean": statistics.fmean, "min": min, "max": max}
 
 
 def measure(spec: dict[str, Any]) -> list[float]:
@@ -153,7 +152,7 @@ def measure(spec: dict[str, Any]) -> list[float]:
     the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,
     for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator,
     denominator]` and returns one value, sum over sum (tok/s pooled over prompts); `agg: median |
-    mean | min | max | sum` returns one value of the matches; `agg: range` all of them. `pattern`
+    mean | min | max` returns one value of the matches; `agg: range` all of them. `pattern`
     (a regular expression with one group) reads the numbers it matches in the files' text instead
     of records, for what a run only printed.
     `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
