@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,25 +34,84 @@ class SelectorError(ValueError):
     """A selector that matches nothing, or more than its aggregation allows."""
 
 
+def _tables(text: str) -> list[dict[str, Any]]:
+    """The rows of the whitespace-aligned tables a run printed (summary.txt, a log's table).
+
+    A table is a line of column names followed by rows of as many columns (a dashed rule under
+    the names is skipped); a row is one record keyed by the names, numbers read as numbers and
+    `-` or `NaN` as missing, so a selector reads a printed table as it reads a .jsonl file.
+    """
+    out: list[dict[str, Any]] = []
+    lines = [line.split() for line in text.splitlines()]
+    i = 0
+    while i < len(lines):
+        names = lines[i]
+        rows = [r for r in lines[i + 1:i + 3] if r and not _rule(r)]
+        if not (len(names) > 1 and all(_NAME.fullmatch(t) for t in names) and rows
+                and len(rows[0]) == len(names)):
+            i += 1
+            continue
+        i += 1
+        while i < len(lines) and lines[i] and not all(_NAME.fullmatch(t) for t in lines[i]):
+            if _rule(lines[i]):
+                i += 1
+                continue
+            if len(lines[i]) != len(names):
+                break
+            out.append({k: _scalar(v) for k, v in zip(names, lines[i])})
+            i += 1
+    return out
+
+
+_NAME = re.compile(r"[A-Za-z_][\w/]*")
+
+
+def _rule(tokens: list[str]) -> bool:
+    """A dashed line under a table's column names."""
+    return all(set(t) <= {"-"} for t in tokens)
+
+
+def _scalar(token: str) -> Any:
+    if token in ("-", "NaN", "nan"):
+        return None
+    try:
+        return float(token)
+    except ValueError:
+        return token
+
+
+def _text(path: Path) -> str:
+    return gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+
+
 def _load(path: Path) -> list[dict[str, Any]]:
-    """The records of one file: a .json object is one record, a .jsonl line one record (.gz read too)."""
-    raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    """The records of one file: a .json object is one record, a .jsonl line one record, a row of a
+    printed table (any other text file) one record; .gz read too."""
+    raw = _text(path)
     name = path.name[:-3] if path.suffix == ".gz" else path.name
     if name.endswith(".json"):
         return [json.loads(raw)]
-    return [json.loads(line) for line in raw.splitlines() if line.strip()]
+    if name.endswith(".jsonl"):
+        return [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return _tables(raw)
+
+
+def _runs(spec: dict[str, Any]) -> list[str]:
+    """The run directories a selector reads: `run` is one, or a list (repeats of one bench)."""
+    return spec["run"] if isinstance(spec["run"], list) else [spec["run"]]
 
 
 def _files(spec: dict[str, Any]) -> list[Path]:
-    run = RESULTS / spec["run"]
-    files = sorted(p for p in run.glob(spec["file"]) if p.is_file())
+    files = sorted(p for run in _runs(spec) for p in (RESULTS / run).glob(spec["file"]) if p.is_file())
     if not files:
         raise SelectorError(f"no file {spec['file']!r} under {REL}/{spec['run']}")
     return files
 
 
 def _match(rec: dict[str, Any], where: dict[str, Any]) -> bool:
-    return all(k in rec and rec[k] == v for k, v in where.items())
+    """`where: {k: null}` asks for a record without k (or with k null), `{k: [a, b]}` for k a or b."""
+    return all(rec.get(k) is None if v is None else rec.get(k) in v if isinstance(v, list)
+               else (k in rec and rec[k] == v) for k, v in where.items())
 
 
 def _one(records: list[dict[str, Any]], where: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -60,43 +121,97 @@ def _one(records: list[dict[str, Any]], where: dict[str, Any], path: Path) -> di
     return hits[0]
 
 
+def _field(rec: dict[str, Any], field: str | list[str], where: dict[str, Any], path: Path) -> float:
+    """A record's `field`, or with `field: [a, b]` its a / b (a share the record holds as two counts)."""
+    if isinstance(field, list):
+        return _field(rec, field[0], where, path) / _field(rec, field[1], where, path)
+    value: Any = rec.get(field)
+    if field not in rec and "." in field:   # verify_ms.7 is rec["verify_ms"]["7"], alpha_by_depth.0 its [0]
+        value = rec
+        for key in field.split("."):
+            if isinstance(value, list) and key.isdigit():
+                value = value[int(key)] if int(key) < len(value) else None
+            else:
+                value = value.get(key) if isinstance(value, dict) else None
+    if value is None:
+        raise SelectorError(f"{path.relative_to(ROOT)}: no {field!r} in a record matching {where}")
+    return float(value)
+
+
+# One value from many: median over prompts, mean over seeds; `range` keeps them all (lo–hi).
+AGGREGATES = {"median": statistics.median, "mean": statistics.fmean, "min": min, "max": max}
+
+
 def measure(spec: dict[str, Any]) -> list[float]:
     """The values a selector reads from the records, one per matching record.
 
-    A selector names `run` (a run directory), `file` (a glob inside it), `where` (field values a
-    record must have), `field` (the value read) and optionally `over` (field values that pick, in
-    the same file, the record whose `field` divides it: `over: {method: ar_res}` is "× the
-    resident AR of the same cell"). `agg: pooled` takes `field: [numerator, denominator]` and
-    returns one value, sum over sum (tok/s pooled over prompts).
+    A selector names `run` (a run directory, or a list of them), `file` (a glob inside it),
+    `where` (field values a record must have; null: the record lacks the field; a list: any of
+    its values), `field` (the value read; `[a, b]`: the record's a / b) and optionally `over` (field values that pick, in the same
+    file, the record whose `field` divides it: `over: {method: ar_res}` is "× the resident AR of
+    the same cell"; `pair: [prompt_id, turn]` divides each prompt's value by the same prompt's,
+    for a median over prompts of per-prompt speedups). `agg: pooled` takes `field: [numerator,
+    denominator]` and returns one value, sum over sum (tok/s pooled over prompts); `agg: median |
+    mean | min | max` returns one value of the matches; `agg: range` all of them. `pattern`
+    (a regular expression with one group) reads the numbers it matches in the files' text instead
+    of records, for what a run only printed.
+    `ratio: [selector, selector]` is the first's one value over the second's (a ratio of two pooled
+    values, or of two runs), `difference: [selector, selector]` the first less the second (steps
+    launched past the end: launched less live). Each value is multiplied by `scale` (100 for a
+    percentage, 1000 for ms) and `offset` added (τ is 1 + accepted drafts per step: pooled
+    [n_accepted, steps], offset 1), `abs: true` takes its size, before `agg` (a prediction's
+    largest relative error: field [predicted, measured], scale 100, offset -100, abs, agg max).
+    A `field` with a dot that is no key of the record is a path into nested objects and lists
+    (verify_ms.7, alpha_by_depth.0); a field holding a list gives one value per element.
     """
+    if "ratio" in spec or "difference" in spec:
+        a, b = (_single(s) for s in spec.get("ratio") or spec["difference"])
+        return [(a / b if "ratio" in spec else a - b) * spec.get("scale", 1) + spec.get("offset", 0)]
     where = spec.get("where") or {}
+    agg = spec.get("agg", "one")
+    if agg not in AGGREGATES and agg not in ("one", "range", "pooled"):
+        raise SelectorError(f"unknown agg {agg!r}")
     out: list[float] = []
     num = den = 0.0
-    pooled = spec.get("agg") == "pooled"
     for path in _files(spec):
+        if "pattern" in spec:
+            out += [float(m.replace(",", "")) for m in re.findall(spec["pattern"], _text(path))]
+            continue
         records = _load(path)
-        hits = [r for r in records if _match(r, where)]
-        for rec in hits:
-            if pooled:
-                num += float(rec[spec["field"][0]])
-                den += float(rec[spec["field"][1]])
+        for rec in (r for r in records if _match(r, where)):
+            if agg == "pooled":
+                num += _field(rec, spec["field"][0], where, path)
+                den += _field(rec, spec["field"][1], where, path)
                 continue
-            if spec["field"] not in rec or rec[spec["field"]] is None:
-                raise SelectorError(f"{path.relative_to(ROOT)}: no {spec['field']!r} in a record matching {where}")
-            value = float(rec[spec["field"]])
+            if isinstance(spec["field"], str) and isinstance(rec.get(spec["field"]), list) and "over" not in spec:
+                out += [float(v) for v in rec[spec["field"]] if v is not None]
+                continue
+            value = _field(rec, spec["field"], where, path)
             if "over" in spec:
-                ref = _one(records, {**where, **spec["over"]}, path)
-                value /= float(ref[spec["field"]])
+                same = {k: rec.get(k) for k in spec.get("pair") or []}
+                value /= _field(_one(records, {**where, **spec["over"], **same}, path), spec["field"], where, path)
             out.append(value)
-    if pooled:
+    if agg == "pooled":
         if den <= 0:
             raise SelectorError(f"{spec['run']}/{spec['file']}: nothing to pool for {where}")
-        return [num / den]
+        out = [num / den]
     if not out:
-        raise SelectorError(f"{spec['run']}/{spec['file']}: no record matches {where}")
-    if spec.get("agg", "one") in ("one", "pooled") and len(out) != 1:
+        raise SelectorError(f"{spec['run']}/{spec['file']}: no record matches {where or spec.get('pattern')}")
+    out = [v * spec.get("scale", 1) + spec.get("offset", 0) for v in out]
+    if spec.get("abs"):
+        out = [abs(v) for v in out]
+    if agg in AGGREGATES:
+        out = [AGGREGATES[agg](out)]
+    if agg == "one" and len(out) != 1:
         raise SelectorError(f"{spec['run']}/{spec['file']}: {len(out)} records match {where} (agg one wants 1)")
     return out
+
+
+def _single(spec: dict[str, Any]) -> float:
+    values = measure(spec)
+    if len(values) != 1:
+        raise SelectorError(f"{spec['run']}/{spec['file']}: a ratio's term has {len(values)} values (want 1)")
+    return values[0]
 
 
 def value_text(spec: dict[str, Any]) -> str:
@@ -142,7 +257,7 @@ def headline(manifest: dict[str, Any]) -> str:
 
 
 def claim_text(claim: dict[str, Any]) -> str:
-    """A claim's sentence with its `{name}` values read from the records (typed text where it has none)."""
+    """A claim's sentence with its `{name}` values read from the records."""
     values = claim.get("values") or {}
     if not values:
         return claim["claim"]
@@ -159,9 +274,10 @@ def render(manifest: dict[str, Any]) -> str:
         "Every number FlashSpec publishes, with the records it comes from, the hardware, the command",
         "and the commit. This page is generated from `experiments/results/manifest.yaml` and the",
         "committed records by `python scripts/results_page.py`; `tests/test_manifest.py` fails when it",
-        "(or README's headline table) is out of date. Figures in *Headline* and in sentences with a",
-        "linked value are read from the records by the manifest's selectors; the other claims are the",
-        "sentences committed with their records, each naming its run directories.",
+        "(or README's headline table) is out of date. Figures in *Headline* and the measured numbers",
+        "of the claims are read from the records by the manifest's selectors; the numbers left in a",
+        "claim's words are its settings (seeds, prompt counts, shapes), or are marked *untraced* where",
+        "no committed record holds them. Each claim names its run directories.",
         "",
         "## Headline",
         "",

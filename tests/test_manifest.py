@@ -134,6 +134,13 @@ def _selectors(manifest: dict) -> list[tuple[str, dict]]:
     return out
 
 
+def _selector_runs(spec: dict) -> set[str]:
+    """The run directories a selector reads (`run` one or a list; a `ratio` or `difference` its terms')."""
+    if "ratio" in spec or "difference" in spec:
+        return set().union(*(_selector_runs(s) for s in spec.get("ratio") or spec["difference"]))
+    return set(spec["run"]) if isinstance(spec["run"], list) else {spec["run"]}
+
+
 def test_every_selector_reads_its_records(manifest):
     """Each value is read from a listed run's records, one record per value where agg is one."""
     page = _results_page()
@@ -141,12 +148,14 @@ def test_every_selector_reads_its_records(manifest):
     selectors = _selectors(manifest)
     assert selectors, "no selector: the headline must be read from records"
     for where, spec in selectors:
-        assert spec["run"] in runs, (where, spec["run"])
+        assert _selector_runs(spec) <= runs, (where, spec)
         values = page.measure(spec)
         assert values and all(v == v for v in values), where
     for c in manifest["claims"]:
         names = set(re.findall(r"{(\w+)}", c["claim"]))
         assert names == set(c.get("values") or {}), f"{c['topic']}: placeholders {names} vs values"
+        for name, spec in (c.get("values") or {}).items():
+            assert _selector_runs(spec) <= set(c["runs"]), f"{c['topic']}: {name} reads a run the claim does not name"
     for row in manifest["headline"]["rows"]:
         assert row["hardware"] in manifest["hardware"] and len(row["cells"]) == len(manifest["headline"]["columns"])
     assert {c["hardware"] for c in manifest["claims"]} <= set(manifest["hardware"])
@@ -190,3 +199,108 @@ def test_tracked_size_under_the_bar(manifest):
     assert size < manifest["max_tracked_bytes"] <= 5_000_000, f"experiments/results/ tracks {size} bytes"
     on_disk = sum((RESULTS / f).stat().st_size for f in result_files())
     assert on_disk < manifest["max_tracked_bytes"], f"experiments/results/ holds {on_disk} bytes on disk"
+
+
+@pytest.fixture
+def copied_page(tmp_path, monkeypatch):
+    """The results page reading a scratch copy of experiments/results/, so a test can change a record."""
+    page = _results_page()
+    root = tmp_path / "repo"
+    shutil.copytree(RESULTS, root / "experiments" / "results",
+                    ignore=shutil.ignore_patterns("*.png", "*.parquet"))
+    monkeypatch.setattr(page, "ROOT", root)
+    monkeypatch.setattr(page, "RESULTS", root / "experiments" / "results")
+    return page, root / "experiments" / "results"
+
+
+def test_a_printed_table_and_a_pattern_are_read_as_records(copied_page):
+    """summary.txt's rows are records keyed by its header; a pattern reads what a run only printed."""
+    page, results = copied_page
+    summary = results / "decode_cpu/default_eagle_lr72_g3/summary.txt"
+    row = next(line.split() for line in summary.read_text().splitlines()
+               if line.split()[:2] == ["mtbench", "spec:eagle_lr72@3"])
+    spec = {"run": "decode_cpu/default_eagle_lr72_g3", "file": "summary.txt",
+            "where": {"dataset": "mtbench", "method": "spec:eagle_lr72@3"}, "field": "tau"}
+    assert page.measure(spec) == [float(row[5])]
+    mean = {"run": "decode_cpu/default_eagle_lr72_g3", "file": "summary.txt", "where": {"method": "ar"},
+            "field": "tps", "agg": "mean"}
+    ar = [float(line.split()[6]) for line in summary.read_text().splitlines() if line.split()[1:2] == ["ar"]]
+    assert len(ar) == 3 and page.measure(mean) == [pytest.approx(sum(ar) / 3)]
+    summary.write_text(summary.read_text().replace(f" {row[5]} ", " 9.999 ", 1))
+    assert page.measure(spec) == [9.999]
+    summary.write_text("\n".join(line for line in summary.read_text().splitlines() if "mtbench" not in line))
+    with pytest.raises(page.SelectorError):
+        page.measure(spec)
+
+    mixed = results / "mixed_stream_cpu_v4_rate/summary.txt"
+    pattern = {"run": "mixed_stream_cpu_v4_rate", "file": "summary.txt", "pattern": r"mean of fixed arms: ([\d.]+)"}
+    assert page.measure(pattern) == [float(re.search(r"mean of fixed arms: ([\d.]+)", mixed.read_text())[1])]
+    mixed.write_text(mixed.read_text().replace("mean of fixed arms: ", "mean of fixed arms: 7"))
+    assert page.measure(pattern)[0] > 7
+    mixed.write_text(mixed.read_text().replace("mean of fixed arms", "mean of the fixed arms"))
+    with pytest.raises(page.SelectorError):
+        page.measure(pattern)
+
+
+def test_a_median_over_prompts_pairs_each_prompt_with_its_own_ar(copied_page):
+    """`pair` divides each prompt's tok/s by the same prompt's AR; `ratio` divides two pooled values."""
+    page, results = copied_page
+    path = results / "decode_gpu_fused/prefill_fused/he_b1/records.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    ar = {r["prompt_id"]: r["tps"] for r in rows if r["method"] == "ar"}
+    speedups = sorted(r["tps"] / ar[r["prompt_id"]] for r in rows if r["method"] == "spec:ngram@8")
+    spec = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl",
+            "where": {"method": "spec:ngram@8"}, "field": "tps", "over": {"method": "ar"},
+            "pair": ["prompt_id", "turn"], "agg": "median"}
+    assert len(speedups) == 5 and page.measure(spec) == [pytest.approx(speedups[2])]
+    with pytest.raises(page.SelectorError):   # without the pair, five AR records divide each value
+        page.measure({**spec, "pair": []})
+    pooled = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl",
+              "field": ["n_new_tokens", "wall_s"], "agg": "pooled"}
+
+    def tps(method: str) -> float:
+        mine = [r for r in rows if r["method"] == method]
+        return sum(r["n_new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
+    ratio = {"ratio": [{**pooled, "where": {"method": "spec:ngram@8"}}, {**pooled, "where": {"method": "hf_compiled"}}]}
+    assert page.measure(ratio) == [pytest.approx(tps("spec:ngram@8") / tps("hf_compiled"))]
+    difference = {"difference": ratio["ratio"], "scale": 2}
+    assert page.measure(difference) == [pytest.approx(2 * (tps("spec:ngram@8") - tps("hf_compiled")))]
+    first = next(r for r in rows if r["method"] == "ar")
+    path.write_text("\n".join(json.dumps(r) for r in rows if r is not first) + "\n")
+    with pytest.raises(page.SelectorError):   # a prompt whose AR record is gone has nothing to divide by
+        page.measure(spec)
+
+
+def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
+    page, results = copied_page
+    timing = {"run": "decode_gpu_graphs", "file": "scale_timing_8b_1b_graphed.jsonl",
+              "where": {"kind": "measured", "batch": 1}, "field": "verify_ms.7", "scale": 1000, "offset": 1}
+    measured = next(json.loads(line) for line in (results / timing["run"] / timing["file"]).read_text().splitlines()
+                    if '"measured"' in line and '"batch": 1,' in line)
+    assert page.measure(timing) == [measured["verify_ms"]["7"] * 1000 + 1]
+    with pytest.raises(page.SelectorError):
+        page.measure({**timing, "field": "verify_ms.8"})
+    repeats = {"run": ["kernel_bench/h200_v4", "kernel_bench/h200_v4_repeats/ab7d861"], "file": "kernel_bench.jsonl",
+               "where": {"B": 64, "gamma": 4, "V": 128256}, "field": "graph_floor_ratio", "agg": "range"}
+    assert len(page.measure(repeats)) == 2
+    with pytest.raises(page.SelectorError):   # two runs, one value each: agg one wants one
+        page.measure({**repeats, "agg": "one"})
+    groups = {"run": "resident_catch_up", "file": "seed8484_greedy.jsonl", "agg": "range", "field": "per_group_tps",
+              "where": {"cell": "mt_b1", "method": "tree_dyn15d6k4_res_planner"}}
+    record = next(json.loads(line) for line in (results / "resident_catch_up/seed8484_greedy.jsonl").read_text().splitlines()
+                  if '"mt_b1"' in line and '"tree_dyn15d6k4_res_planner"' in line)
+    assert page.measure(groups) == [float(v) for v in record["per_group_tps"]]   # a list field: one value each
+    bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
+            "field": "floor_us"}
+    assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
+    error = {"run": "head_decode_v2", "file": "*/head_summary.jsonl", "where": {"variant": ["trained_d8", "trunc_d8"]},
+             "field": ["rho_tps_pred", "rho_tps_meas"], "scale": 100, "offset": -100, "abs": True, "agg": "max"}
+    heads = [json.loads(line) for f in sorted(results.glob("head_decode_v2/*/head_summary.jsonl"))
+             for line in f.read_text().splitlines()]
+    worst = max(abs(r["rho_tps_pred"] / r["rho_tps_meas"] - 1) * 100 for r in heads if r["variant"] in ("trained_d8", "trunc_d8"))
+    assert page.measure(error) == [pytest.approx(worst)]
+    assert page.measure({**error, "abs": False, "agg": "min"})[0] < 0 < worst   # abs is what made it a size
+    either = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl", "field": "tps", "agg": "range",
+              "where": {"method": ["ar", "hf_compiled"]}}
+    rows = [json.loads(line) for line in (results / either["run"] / "records.jsonl").read_text().splitlines()]
+    assert sorted(page.measure(either)) == sorted(r["tps"] for r in rows if r["method"] in ("ar", "hf_compiled"))
