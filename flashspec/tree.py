@@ -191,17 +191,14 @@ class TreeAttention:
     """How draft-tree nodes attend in a step: queries at cache ``slots`` [B, q] with ancestor
     bitmasks ``bits`` [B, q, W] (bit j: tree node j, at slot ``base + j``, is the query or one
     of its ancestors), rows of committed ``lengths`` [B], keys up to ``span``; ``base`` [B]: the
-    root's slot, lengths - 1 (derived when not given); ``nodes``: node ids are below it (None:
-    any bit of the words may be set), which narrows the fused kernel's search for a path. The
-    fused decode layers read ``bits`` and ``base``, the reference layers ``mask`` (built on
-    first use)."""
+    root's slot, lengths - 1 (derived when not given). The fused decode layers read ``bits``
+    and ``base``, the reference layers ``mask`` (built on first use)."""
 
     slots: torch.Tensor
     bits: torch.Tensor
     lengths: torch.Tensor
     span: int
     base: torch.Tensor | None = None
-    nodes: int | None = None
 
     def __post_init__(self) -> None:
         if self.base is None:
@@ -219,8 +216,7 @@ def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
     """(RoPE positions [B, N + 1], :class:`TreeAttention`) of a target step over ``draft``."""
     base = lengths - 1
     positions, slots = tree_positions(draft, base)
-    return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span, base,
-                                    nodes=draft.tokens.shape[1])
+    return positions, TreeAttention(slots, draft.ancestor_bits(), lengths, span, base)
 
 
 def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor,

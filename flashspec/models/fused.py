@@ -372,17 +372,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         H=heads, HKV=kv_heads, G=group, D=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n or (32 if ieee else 128), BLOCK_D=max(16, _pow2(head_dim)),
         TREE=tree is not None, NW=1 if tree is None else words,
-        BLOCK_W=16 if tree is None else _path_width(tree), HB=head_blocks, IEEE=ieee,
+        BLOCK_W=16 if tree is None else 64 * _pow2(words), HB=head_blocks, IEEE=ieee,
         num_warps=warps)
     return out
-
-
-def _path_width(tree: TreeAttention) -> int:
-    """How many node ids the attention kernel searches for a node's path: the mask's bits, or
-    fewer when the tree says its ids stop below (a step's own tree of N + 1 nodes); each key
-    block that reaches a path costs a [key slots x width] search."""
-    bits = 64 * _pow2(tree.bits.shape[-1])
-    return bits if tree.nodes is None else max(16, min(bits, _pow2(tree.nodes)))
 
 
 def drafter_input(src: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,
