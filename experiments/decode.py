@@ -244,7 +244,7 @@ def _hf_model(cfg: DictConfig, target):
     target gets an HF model of its config holding the native model's (random) weights.
     """
     from transformers import AutoModelForCausalLM
-    from flashspec.models.loading import gguf_dir, hf_dir, resolve_dtype, smollm2_dir, source_config
+    from flashspec.models.loading import gguf_dir, model_dir, resolve_dtype, source_config
     src, dtype = cfg.target.source, resolve_dtype(cfg.target.dtype)
     key = (src, cfg.hardware.device)
     if key not in _HF_CACHE:
@@ -254,8 +254,7 @@ def _hf_model(cfg: DictConfig, target):
                      for k, v in target.state_dict().items() if "inv_freq" not in k}
             model.load_state_dict(state, strict=False)
         else:
-            directory = (smollm2_dir() if src == "smollm2" else
-                         gguf_dir(Path(src)) if src.endswith(".gguf") else hf_dir(src))
+            directory = gguf_dir(Path(src)) if src.endswith(".gguf") else model_dir(src)
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         model.generation_config.max_cache_len = 4096  # one static cache size: no recompiles
         _HF_CACHE[key] = model.to(cfg.hardware.device).eval()

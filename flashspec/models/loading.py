@@ -225,7 +225,20 @@ def hf_dir(source: str) -> Path:
                                                               "*.txt", "*.jinja"]))
     except Exception as e:
         raise FlashSpecError(f"cannot fetch model {source!r} ({type(e).__name__}); pass a local "
-                             "directory, a .gguf file, 'smollm2' or 'dummy:<shape>'") from e
+                             "directory, a .gguf file, 'smollm2', a registry model "
+                             "('qwen2.5-coder-1.5b', 'qwen2.5-coder-0.5b') or 'dummy:<shape>'") from e
+
+
+def model_dir(source: str) -> Path:
+    """The local HF directory of a named model ('smollm2', a prepared registry model such as
+    'qwen2.5-coder-1.5b'), a directory or an HF id. Registry models are never fetched here:
+    scripts/prepare_model.py downloads and converts them once, after checking their pins."""
+    from flashspec.models import catalog
+    if source == "smollm2":
+        return smollm2_dir()
+    if source in catalog.MODELS:
+        return catalog.prepared_dir(source)
+    return hf_dir(source)
 
 
 def _native_name(key: str) -> str:
@@ -294,7 +307,7 @@ def source_config(source: str):
     if source.endswith(".gguf"):
         directory = cached_conversion(source)
         return hf_config(directory) if directory is not None else None
-    return hf_config(smollm2_dir() if source == "smollm2" else hf_dir(source))
+    return hf_config(model_dir(source))
 
 
 def random_model(config, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
@@ -309,19 +322,15 @@ def random_model(config, dtype: torch.dtype, device: str | torch.device, seed: i
 
 def load_model(source: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                quantization: str | None = None, seed: int = 0):
-    """(model, tokenizer) for ``source``: 'smollm2', 'dummy:<shape>', a .gguf path, a dir or HF id."""
+    """(model, tokenizer) for ``source``: 'smollm2', a prepared registry model
+    ('qwen2.5-coder-1.5b', 'qwen2.5-coder-0.5b'), 'dummy:<shape>', a .gguf path, a dir or HF id."""
     from transformers import AutoTokenizer
     dt = resolve_dtype(dtype)
     if source.startswith("dummy:"):
         model = random_model(dummy_config(source.split(":", 1)[1]), dt, device, seed)
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     else:
-        if source == "smollm2":
-            directory = smollm2_dir()
-        elif source.endswith(".gguf"):
-            directory = gguf_dir(source)
-        else:
-            directory = hf_dir(source)
+        directory = gguf_dir(source) if source.endswith(".gguf") else model_dir(source)
         config = hf_config(directory)
         try:
             model = load_weights(build(config, torch.float32, "cpu"), _read_state_dict(directory))
