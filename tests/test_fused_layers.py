@@ -386,6 +386,26 @@ def _random_tree(nodes: int, batch: int, seed: int):
     return TreeDraft(torch.zeros_like(parents), parents, depth)
 
 
+@pytest.mark.parametrize("nodes,batch", [(1, 1), (9, 3), (64, 2), (65, 2), (150, 1)])
+def test_tree_path_kernel_matches_reference(nodes, batch):
+    """The path table the tree attention reads (one Triton launch per step) equals the torch
+    reference :func:`flashspec.tree.path_table` and each node's ancestors, root first: masks of
+    one, two and three 64-bit words, a lone root."""
+    from flashspec.tree import TreeAttention, path_table
+    tree = _random_tree(nodes, batch, seed=nodes)
+    bits = tree.ancestor_bits()
+    attention = TreeAttention(torch.zeros(batch, nodes, dtype=torch.long), bits,
+                              torch.full((batch,), 4), 4 + nodes)
+    got = fused.tree_path(attention)
+    assert torch.equal(got, path_table(bits))
+    assert fused.tree_path(attention) is got and attention.path is got    # once per step
+    anc = tree.ancestors()
+    for b in range(batch):
+        for t in range(nodes):
+            path = [j for j in range(nodes) if anc[b, t, j]]
+            assert got[b, t, 0] == len(path) and got[b, t, 1:1 + len(path)].tolist() == path
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lengths,nodes,heads", [
     ((5, 9), 8, (H, HKV)), ((130, 250), 17, (H, HKV)), ((126, 64), 33, (H, HKV)),
