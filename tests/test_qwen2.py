@@ -145,3 +145,32 @@ def test_engine_greedy_qwen2_equals_target_only(qwen2_dirs, drafter):
     assert all(len(r.tokens) == 12 for r in ar)
     if drafter == "self":
         assert all(sum(r.accept_hist[1:]) > 0 for r in spec), "every draft should be accepted"
+
+
+@pytest.mark.parametrize("name,tie,hidden,rank", [("qwen2.5-coder-1.5b", False, 1536, 192),
+                                                  ("qwen2.5-coder-0.5b", True, 896, 112)])
+def test_dummy_qwen_coder_shapes_are_the_real_ones(name, tie, hidden, rank):
+    """``dummy:qwen2.5-coder-*`` builds the native model of the real checkpoint: on the meta
+    device (no memory), its parameter names and shapes are exactly transformers'
+    ``Qwen2ForCausalLM``'s for that config (tied: the head is the embedding), rope θ = 1e6,
+    rms eps 1e-6, q/k/v biases; ``head.rank=d/8`` resolves against the model's d."""
+    from transformers import Qwen2ForCausalLM
+    from flashspec.heads.choice import resolve_rank
+    from flashspec.models.loading import build, dummy_config
+    config = dummy_config(name)
+    assert config.model_type == "qwen2" and config.vocab_size == 151936
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.tie_word_embeddings == tie
+    native = build(config, torch.float32, "meta")
+    s = native.shape
+    assert s.hidden_size == hidden and s.head_dim == {1536: 128, 896: 64}[hidden]
+    assert s.attention_bias and s.rms_eps == 1e-6 and s.tie_embeddings == tie
+    with torch.device("meta"):
+        hf = Qwen2ForCausalLM(config)
+    want = {k.removeprefix("model."): tuple(v.shape) for k, v in hf.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in native.state_dict().items()}
+    if tie:          # one tensor under two names; load_weights drops the head's copy
+        want.pop("lm_head.weight", None)
+        assert got.pop("lm_head.weight") == got["embed_tokens.weight"]
+    assert got == want
+    assert sum(p.numel() for p in native.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert resolve_rank("d/8", s.hidden_size) == rank
