@@ -119,30 +119,31 @@ def test_native_qwen2_logits_equal_transformers(qwen2_dirs, geometry, tie):
     torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("drafter", ["draft_lm", "self", "ngram"])
-def test_engine_greedy_qwen2_equals_target_only(qwen2_dirs, drafter):
-    """The 1.5B geometry (untied head) as target, fused, fp32: greedy speculative decoding with
-    a chain drafter gives target-only (AR) output token for token. ``draft_lm``: a separate
-    qwen2 draft LM of the 0.5B geometry (tied head), as conf/drafters/qwen_coder.yaml pairs them;
-    ``self``: the target's own weights as a separate draft LM, so drafts are accepted and the
-    accepted-path bookkeeping runs."""
+@pytest.mark.parametrize("drafter,use_fused", [("draft_lm", True), ("self", False),
+                                               ("ngram", False)])
+def test_engine_greedy_qwen2_equals_target_only(qwen2_dirs, drafter, use_fused):
+    """The 1.5B geometry (untied head) as target, fp32: greedy speculative decoding with a chain
+    drafter gives target-only (AR) output token for token. ``draft_lm``: a separate qwen2 draft
+    LM of the 0.5B geometry (tied head), as conf/drafters/qwen_coder.yaml pairs them, with the
+    fused decode layers in both models (as hardware.fused_layers runs them; the interpreter
+    makes this the slow case); ``self``: the target's own weights as a separate draft LM, so
+    drafts are accepted and the accepted-path bookkeeping runs."""
     target, tok = load_model(str(qwen2_dirs["1.5b", False]))
-    fused.fuse_model(target)
+    fused.fuse_model(target, use_fused)
     ctx = DraftContext(target, tok)
     arm = {"draft_lm": lambda: Arm(ModelDrafter.separate(
                ctx, "qwen0.5b", source=str(qwen2_dirs["0.5b", True])), 3),
            "self": lambda: Arm(ModelDrafter(target, None, name="self"), 3),
            "ngram": lambda: Arm(NgramDrafter(), 3)}[drafter]()
-    if arm.drafter.name == "qwen0.5b":
-        assert arm.drafter.model.shape.head_dim == 64 and arm.drafter.model.fused is False
-        fused.fuse_model(arm.drafter.model)
+    if drafter == "draft_lm":     # a fused target's separate draft LM is fused too
+        assert arm.drafter.model.shape.head_dim == 64 and arm.drafter.model.fused
     g = torch.Generator().manual_seed(2)
-    base = torch.randint(0, VOCAB, (5,), generator=g).tolist()
-    prompts = [base * 3, (base * 3)[2:] + [7]]
-    ar = SpecEngine(target, [Arm(None, 0)]).generate(prompts, 12).rows
-    spec = SpecEngine(target, [arm]).generate(prompts, 12).rows
+    base = torch.randint(0, VOCAB, (4,), generator=g).tolist()
+    prompts = [base * 2, (base * 2)[1:] + [7, 9]]
+    ar = SpecEngine(target, [Arm(None, 0)]).generate(prompts, 8).rows
+    spec = SpecEngine(target, [arm]).generate(prompts, 8).rows
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
-    assert all(len(r.tokens) == 12 for r in ar)
+    assert all(len(r.tokens) == 8 for r in ar)
     if drafter == "self":
         assert all(sum(r.accept_hist[1:]) > 0 for r in spec), "every draft should be accepted"
 
