@@ -71,6 +71,14 @@ def qwen2_dirs(tmp_path_factory) -> dict[tuple[str, bool], Path]:
             for g in GEOMETRY for tie in (False, True)}
 
 
+@pytest.fixture(scope="module")
+def one_layer_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One-layer models for the engine (its fused steps are interpreted): the 1.5B geometry
+    untied (the target), the 0.5B tied (its draft LM)."""
+    return {g: qwen2_dir(tmp_path_factory.mktemp(f"qwen2-{g}-1"), g, tie=g == "0.5b", layers=1,
+                         seed=int(g == "0.5b")) for g in GEOMETRY}
+
+
 def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -121,18 +129,18 @@ def test_native_qwen2_logits_equal_transformers(qwen2_dirs, geometry, tie):
 
 @pytest.mark.parametrize("drafter,use_fused", [("draft_lm", True), ("self", False),
                                                ("ngram", False)])
-def test_engine_greedy_qwen2_equals_target_only(qwen2_dirs, drafter, use_fused):
+def test_engine_greedy_qwen2_equals_target_only(one_layer_dirs, drafter, use_fused):
     """The 1.5B geometry (untied head) as target, fp32: greedy speculative decoding with a chain
     drafter gives target-only (AR) output token for token. ``draft_lm``: a separate qwen2 draft
     LM of the 0.5B geometry (tied head), as conf/drafters/qwen_coder.yaml pairs them, with the
     fused decode layers in both models (as hardware.fused_layers runs them; the interpreter
     makes this the slow case); ``self``: the target's own weights as a separate draft LM, so
     drafts are accepted and the accepted-path bookkeeping runs."""
-    target, tok = load_model(str(qwen2_dirs["1.5b", False]))
+    target, tok = load_model(str(one_layer_dirs["1.5b"]))
     fused.fuse_model(target, use_fused)
     ctx = DraftContext(target, tok)
     arm = {"draft_lm": lambda: Arm(ModelDrafter.separate(
-               ctx, "qwen0.5b", source=str(qwen2_dirs["0.5b", True])), 3),
+               ctx, "qwen0.5b", source=str(one_layer_dirs["0.5b"])), 3),
            "self": lambda: Arm(ModelDrafter(target, None, name="self"), 3),
            "ngram": lambda: Arm(NgramDrafter(), 3)}[drafter]()
     if drafter == "draft_lm":     # a fused target's separate draft LM is fused too
