@@ -183,3 +183,21 @@ def test_dummy_qwen_coder_shapes_are_the_real_ones(name, tie, hidden, rank):
     assert got == want
     assert sum(p.numel() for p in native.parameters()) == sum(p.numel() for p in hf.parameters())
     assert resolve_rank("d/8", s.hidden_size) == rank
+
+
+def test_qwen_coder_drafter_set_builds_against_a_qwen2_target(one_layer_dirs):
+    """conf/drafters/qwen_coder.yaml, its draft LM pointed at a local qwen2 directory (as
+    ``drafters.drafters.coder05b.source=...`` does), builds its drafters and arms for a qwen2
+    target: the draft LM of the other geometry passes the vocabulary and tokenizer checks."""
+    from experiments.harness import build_arms, build_drafters
+    from test_configs import composed
+    target, tok = load_model(str(one_layer_dirs["1.5b"]))
+    cfg = composed("drafters=qwen_coder",
+                   f"drafters.drafters.coder05b.source={one_layer_dirs['0.5b']}")
+    drafters = build_drafters(cfg.drafters, DraftContext(target, tok))
+    arms = build_arms(cfg.drafters, drafters)
+    assert [a.name for a in arms] == ["coder05b@3", "coder05b@2", "coder05b@4", "coder05b@5",
+                                      "ngram@3", "ngram@5"]
+    draft = drafters["coder05b"]
+    assert isinstance(draft, ModelDrafter) and draft.model.shape.hidden_size == 896
+    assert draft.head is draft.model.lm_head       # its own full (tied) head
