@@ -117,7 +117,7 @@ COMMON: dict[str, Kind] = {
     **{f"dataset.{k}": v for k, v in {
         "name": TEXT, "n_prompts": POSITIVE | NULL, "max_new_tokens": POSITIVE,
         "split": choice("eval", "train"), "seed": COUNT, "source": choice("local", "hub"),
-        "block_size": POSITIVE}.items()},
+        "block_size": POSITIVE, "domains": TEXTS | NULL}.items()},
     **{f"hardware.{k}": v for k, v in {
         "name": TEXT, "device": TEXT, "dtype": TEXT, "quantization": TEXT | NULL,
         "verify_backend": TEXT, "cuda_graphs": BOOL, "compile_step": BOOL, "resident_loop": BOOL,

@@ -11,9 +11,15 @@ in eval, 2 in train). ``split_ids(name, split)`` lists the ids.
 
 Order: a split's prompts are shuffled per category with ``seed`` and then taken round-robin over
 categories, so any prefix of ``n`` prompts is category-balanced (one per MT-Bench category for
-n=8). ``mixed`` interleaves blocks of ``block_size`` prompts from the three domains (code, math,
-chat) in a seeded order with no two consecutive blocks from the same domain: the non-stationary
-stream a drafter-selection bandit faces.
+n=8). ``mixed`` interleaves blocks of ``block_size`` prompts from its ``domains`` (default: code,
+math, chat and code editing) in a seeded order with no two consecutive blocks from the same
+domain: the non-stationary stream a drafter-selection bandit faces.
+
+``codeedit`` is derived from HumanEval, no extra download: each task's reference solution, whole,
+with an instruction to edit it (rename, annotate, validate, ...). The answer copies most of the
+prompt, so prompt lookup drafts well there, unlike on the other domains: the stream's arms
+really trade off. A codeedit prompt takes its HumanEval task's split, so drafters trained on the
+train split never saw an eval prompt's function.
 """
 from __future__ import annotations
 
@@ -34,13 +40,15 @@ from flashspec.paths import file_sha256, repo_root
 log = logging.getLogger(__name__)
 
 DATASETS = ("humaneval", "gsm8k", "mtbench")
-STREAMS = DATASETS + ("mixed",)
+DERIVED = {"codeedit": "humaneval"}          # prompt set: the dataset whose file it is built from
+STREAMS = DATASETS + tuple(DERIVED) + ("mixed",)
+MIXED_DOMAINS = ("humaneval", "gsm8k", "mtbench", "codeedit")
 SPLITS = ("eval", "train")
 SOURCES = ("local", "hub")
 FILES = {"humaneval": "humaneval.jsonl", "gsm8k": "gsm8k_test.jsonl",
          "mtbench": "mtbench_question.jsonl"}
 EXPECTED_ROWS = {"humaneval": 164, "gsm8k": 1319, "mtbench": 80}
-DOMAIN = {"humaneval": "code", "gsm8k": "math", "mtbench": "chat"}
+DOMAIN = {"humaneval": "code", "gsm8k": "math", "mtbench": "chat", "codeedit": "edit"}
 HUB = {"humaneval": ("openai/openai_humaneval", None), "gsm8k": ("openai/gsm8k", "main")}
 TRAIN_FRACTION = 0.25
 PREPARE_HINT = "run `python scripts/prepare_data.py` (or scripts/setup.sh)"
@@ -48,7 +56,16 @@ PREPARE_HINT = "run `python scripts/prepare_data.py` (or scripts/setup.sh)"
 HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the full function "
                          "in a Python code block.")
 GSM8K_INSTRUCTION = "Solve the following math problem step by step, then give the final answer."
-
+# Edits that leave most of the function as it is: the answer repeats the prompt's code.
+CODE_EDITS = (
+    "Add type hints to every parameter and local variable, changing nothing else.",
+    "Rename the function to `{name}_v2` (and any call to itself); keep the body as it is.",
+    "Add a short comment above each statement of the body; keep the code itself unchanged.",
+    "Add input validation at the top of the body that raises ValueError on invalid arguments; "
+    "keep the rest unchanged.",
+    "Give the local variables more descriptive names, keeping the logic identical.",
+    "Remove the docstring's examples and keep everything else exactly as it is.",
+)
 
 @dataclass(frozen=True)
 class Prompt:
@@ -98,14 +115,16 @@ def format_gsm8k(question: str) -> str:
 
 
 def load_prompts(name: str, n: int | None = None, seed: int = 0, split: str = "eval",
-                 source: str = "local", block_size: int = 4) -> list[Prompt]:
-    """Prompts of ``name`` (humaneval, gsm8k, mtbench, mixed): the first ``n`` of the split."""
+                 source: str = "local", block_size: int = 4,
+                 domains: Sequence[str] | None = None) -> list[Prompt]:
+    """Prompts of ``name`` (humaneval, gsm8k, mtbench, codeedit, mixed): the first ``n`` of the
+    split; ``domains``: the prompt sets ``mixed`` interleaves (default :data:`MIXED_DOMAINS`)."""
     _check_name(name, STREAMS)
     _check_name(split, SPLITS, what="split")
     if n is not None and n <= 0:
         raise FlashSpecError(f"n={n} prompts requested; ask for at least 1 (or None for all)")
     if name == "mixed":
-        prompts = _mixed(seed, split, source, block_size, n)
+        prompts = _mixed(seed, split, source, block_size, n, _domains(domains))
     else:
         prompts = _ordered(_split(all_prompts(name, source))[split], name, seed)
     if n is not None and n > len(prompts):
@@ -119,7 +138,8 @@ class PromptSet:
     """A prompt set of a run (``conf/dataset/*.yaml``): which prompts and how long the answers.
 
     ``n_prompts`` None is the whole split; ``seed`` picks the order (which n prompts), not the
-    split; ``block_size`` only shapes ``mixed`` (prompts per domain block).
+    split; ``block_size`` and ``domains`` only shape ``mixed`` (prompts per domain block, the
+    prompt sets it interleaves; None: :data:`MIXED_DOMAINS`).
     """
 
     name: str
@@ -129,11 +149,14 @@ class PromptSet:
     seed: int = 0
     source: str = "local"
     block_size: int = 4
+    domains: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         _check_name(self.name, STREAMS)
         _check_name(self.split, SPLITS, what="split")
         _check_name(self.source, SOURCES, what="source")
+        if self.domains is not None:
+            object.__setattr__(self, "domains", _domains(self.domains))
         for key in ("n_prompts", "max_new_tokens", "block_size"):
             value = getattr(self, key)
             if value is None and key == "n_prompts":
@@ -144,20 +167,23 @@ class PromptSet:
     def load(self, n: int | None = None) -> list[Prompt]:
         """The prompts (the first ``n`` of them when given: a smoke run)."""
         return load_prompts(self.name, n=n if n is not None else self.n_prompts, seed=self.seed,
-                            split=self.split, source=self.source, block_size=self.block_size)
+                            split=self.split, source=self.source, block_size=self.block_size,
+                            domains=self.domains)
 
 
 def split_ids(name: str, split: str = "eval", source: str = "local") -> list[str]:
     """Ids of one split of a dataset, in the dataset's native order."""
-    _check_name(name, DATASETS)
+    _check_name(name, DATASETS + tuple(DERIVED))
     _check_name(split, SPLITS, what="split")
     return [p.id for p in _split(all_prompts(name, source))[split]]
 
 
 def all_prompts(name: str, source: str = "local") -> list[Prompt]:
     """Every prompt of a dataset in its native order (no split, no shuffle)."""
-    _check_name(name, DATASETS)
+    _check_name(name, DATASETS + tuple(DERIVED))
     _check_name(source, SOURCES, what="source")
+    if name == "codeedit":
+        return [_codeedit(p) for p in all_prompts("humaneval", source)]
     return list(_all_prompts(name, source, str(cache_dir())))
 
 
@@ -191,10 +217,12 @@ def chat_ids(tokenizer: Any, turns_so_far: Sequence[str],
 def data_hash(names: str | Sequence[str], source: str = "local") -> str:
     """sha256 (hex) naming the prompt data a run reads: over each dataset's name and file sha256
     (checked against ``manifest.json``), so any change to a prompt file changes it. ``mixed``
-    stands for its three datasets; ``source='hub'`` hashes the hub rows instead."""
+    stands for its datasets, a derived set for the file it is built from; ``source='hub'`` hashes
+    the hub rows instead."""
     wanted = [names] if isinstance(names, str) else list(names)
     parts: list[str] = []
-    for name in sorted({d for n in wanted for d in (DATASETS if n == "mixed" else (n,))}):
+    for name in sorted({DERIVED.get(d, d) for n in wanted
+                        for d in (DATASETS if n == "mixed" else (n,))}):
         _check_name(name, DATASETS)
         _check_name(source, SOURCES, what="source")
         if source == "local":
@@ -317,16 +345,32 @@ def _mtbench(i: int, row: Mapping[str, Any]) -> Prompt:
                   meta={"question_id": int(row["question_id"]), "references": refs})
 
 
+def _codeedit(task: Prompt) -> Prompt:
+    """The code-editing prompt of a HumanEval task: its whole reference function and an edit
+    picked by the task id's hash."""
+    number = task.id.split("/")[-1]
+    code = (str(task.meta["code"]) + (task.reference or "")).strip("\n")
+    pick = int(hashlib.sha256(f"flashspec-codeedit:{task.id}".encode()).hexdigest(), 16)
+    edit = CODE_EDITS[pick % len(CODE_EDITS)].format(name=task.meta.get("entry_point") or "f")
+    turn = (f"Here is a Python function:\n\n```python\n{code}\n```\n\n{edit} Reply with the "
+            "full function in a Python code block.")
+    return Prompt(id=f"codeedit/{number}", dataset="codeedit", domain="edit", category="edit",
+                  turns=[turn], meta={"source_id": task.id, "edit": edit,
+                                      "entry_point": task.meta.get("entry_point")})
+
+
 def _split_key(prompt_id: str) -> str:
     return hashlib.sha256(f"flashspec-split-v1:{prompt_id}".encode()).hexdigest()
 
 
 def _split(prompts: Sequence[Prompt]) -> dict[str, list[Prompt]]:
-    """Stratified, seed-independent eval/train split (see the module docstring)."""
+    """Stratified, seed-independent eval/train split (see the module docstring); a derived
+    prompt is ranked by the id of the prompt it was built from (``meta['source_id']``)."""
     train: set[str] = set()
     for cat in dict.fromkeys(p.category for p in prompts):
-        ranked = sorted((p.id for p in prompts if p.category == cat), key=_split_key)
-        train.update(ranked[:math.floor(TRAIN_FRACTION * len(ranked))])
+        ranked = sorted((p for p in prompts if p.category == cat),
+                        key=lambda p: _split_key(p.meta.get("source_id", p.id)))
+        train.update(p.id for p in ranked[:math.floor(TRAIN_FRACTION * len(ranked))])
     return {"eval": [p for p in prompts if p.id not in train],
             "train": [p for p in prompts if p.id in train]}
 
@@ -343,21 +387,37 @@ def _ordered(prompts: Sequence[Prompt], name: str, seed: int) -> list[Prompt]:
     return [g[i] for i in range(longest) for g in groups if i < len(g)]
 
 
-def _mixed(seed: int, split: str, source: str, block_size: int, n: int | None) -> list[Prompt]:
-    """Blocks of the three domains in a seeded order, no domain twice in a row."""
+def _domains(domains: Sequence[str] | None) -> tuple[str, ...]:
+    """The prompt sets of a mixed stream, checked: known, distinct, at least two."""
+    if domains is None:
+        return MIXED_DOMAINS
+    if isinstance(domains, str):
+        domains = [domains]
+    out = tuple(str(d) for d in domains)
+    for d in out:
+        _check_name(d, DATASETS + tuple(DERIVED), what="dataset.domains entry")
+    if len(set(out)) != len(out) or len(out) < 2:
+        raise FlashSpecError(f"dataset.domains={list(out)}; a mixed stream needs at least two "
+                             "different prompt sets")
+    return out
+
+
+def _mixed(seed: int, split: str, source: str, block_size: int, n: int | None,
+           domains: tuple[str, ...] = MIXED_DOMAINS) -> list[Prompt]:
+    """Blocks of the domains in a seeded order, no domain twice in a row."""
     if block_size <= 0:
         raise FlashSpecError(f"block_size={block_size}; use a positive block size")
-    pools = {d: _ordered(_split(all_prompts(d, source))[split], d, seed) for d in DATASETS}
+    pools = {d: _ordered(_split(all_prompts(d, source))[split], d, seed) for d in domains}
     per_domain = min(len(p) for p in pools.values())
     if n is not None:
-        per_domain = min(per_domain, math.ceil(n / len(DATASETS)))
+        per_domain = min(per_domain, math.ceil(n / len(domains)))
     blocks = {d: [pool[i:i + block_size] for i in range(0, per_domain, block_size)]
               for d, pool in pools.items()}
     rng = random.Random(f"flashspec-mixed:{seed}")
     stream: list[Prompt] = []
     last = None
     for r in range(max(len(b) for b in blocks.values())):
-        order = list(DATASETS)
+        order = list(domains)
         rng.shuffle(order)
         if order[0] == last:
             order.append(order.pop(0))

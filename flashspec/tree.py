@@ -210,6 +210,29 @@ class TreeAttention:
         return tree_mask(unpack_bits(self.bits, 64 * self.bits.shape[-1]), self.lengths,
                          self.span)
 
+    @cached_property
+    def path(self) -> torch.Tensor:
+        """[B, q, 1 + 64 W] int32 (:func:`path_table`): each query's path length, then its path.
+        The fused layers fill this from their own kernel on first use, once per step, so the
+        30-odd attention calls of one step share it."""
+        return path_table(self.bits)
+
+
+def path_table(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 1 + 64 W] int32 of ancestor bitmasks ``bits`` [..., W]: entry 0 is the number of set
+    bits (the path's length, the node included), entry k >= 1 the k-th set bit's node id (the
+    path root first, as parents precede children), unused entries 0."""
+    width = 64 * bits.shape[-1]
+    on = unpack_bits(bits, width)
+    rank = on.to(torch.int32).cumsum(-1)
+    # set bit j goes to entry rank(j); clear bits go to a spill column cut off below
+    index = torch.where(on, rank, width + 1).long()
+    nodes = torch.arange(width, device=bits.device, dtype=torch.int32).expand_as(rank)
+    table = torch.zeros(*bits.shape[:-1], width + 2, dtype=torch.int32, device=bits.device)
+    table.scatter_(-1, index, nodes)
+    table[..., 0] = rank[..., -1]
+    return table[..., :width + 1]
+
 
 def tree_attention(draft: TreeDraft, lengths: torch.Tensor, span: int
                    ) -> tuple[torch.Tensor, TreeAttention]:

@@ -90,19 +90,47 @@ def test_order_is_seeded_and_deterministic():
     assert [p.id for p in load_prompts("gsm8k", n=5, seed=3)] == a[:5]
 
 
-def test_mixed_stream_interleaves_domain_blocks():
+@pytest.mark.parametrize("domains", [None, ("humaneval", "gsm8k", "mtbench")])
+def test_mixed_stream_interleaves_domain_blocks(domains):
     block = 4
-    stream = load_prompts("mixed", seed=0, block_size=block)
-    domains = [p.domain for p in stream]
-    counts = collections.Counter(domains)
-    assert set(counts) == {"code", "math", "chat"} and len(set(counts.values())) == 1
-    runs = [(d, sum(1 for _ in g)) for d, g in itertools.groupby(domains)]
-    assert all(n == block for _, n in runs[:-3])
+    stream = load_prompts("mixed", seed=0, block_size=block, domains=domains)
+    kinds = {data.DOMAIN[d] for d in (domains or data.MIXED_DOMAINS)}
+    assert kinds == ({"code", "math", "chat", "edit"} if domains is None else {"code", "math", "chat"})
+    domain = [p.domain for p in stream]
+    counts = collections.Counter(domain)
+    assert set(counts) == kinds and len(set(counts.values())) == 1
+    runs = [(d, sum(1 for _ in g)) for d, g in itertools.groupby(domain)]
+    assert all(n == block for _, n in runs[:-len(kinds)])
     assert all(a[0] != b[0] for a, b in zip(runs, runs[1:]))
-    assert {d for d, _ in runs[:3]} == {"code", "math", "chat"}
+    assert {d for d, _ in runs[:len(kinds)]} == kinds
     assert len({p.id for p in stream}) == len(stream)
-    eval_ids = {i for d in DATASETS for i in split_ids(d, "eval")}
+    eval_ids = {i for d in DATASETS + tuple(data.DERIVED) for i in split_ids(d, "eval")}
     assert {p.id for p in stream} <= eval_ids
+
+
+def test_codeedit_prompts_repeat_the_reference_function_and_keep_humaneval_splits():
+    """Each code-editing prompt holds its HumanEval task's whole reference function (what the
+    answer repeats, so prompt lookup drafts it), and takes that task's split: a drafter trained
+    on HumanEval's train split never saw an eval prompt's function."""
+    edits = all_prompts("codeedit")
+    tasks = {p.id: p for p in all_prompts("humaneval")}
+    assert len(edits) == len(tasks)
+    for p in edits:
+        task = tasks[p.meta["source_id"]]
+        assert p.domain == "edit" and p.id == "codeedit/" + task.id.split("/")[-1]
+        assert (task.meta["code"] + task.reference).strip("\n") in p.turns[0]
+        assert p.meta["edit"].split("`")[0] in p.turns[0]
+    assert len({p.meta["edit"] for p in edits}) >= 6           # every edit kind is used
+    for split in data.SPLITS:
+        assert {tasks[i.replace("codeedit", "humaneval")].id for i in split_ids("codeedit", split)} \
+            == set(split_ids("humaneval", split))
+    assert data.data_hash("codeedit") == data.data_hash("humaneval")
+
+
+@pytest.mark.parametrize("domains", [["humaneval"], ["gsm8k", "gsm8k"], ["humaneval", "poems"]])
+def test_mixed_domains_are_checked(domains):
+    with pytest.raises(FlashSpecError, match="domains"):
+        data.PromptSet(name="mixed", domains=domains)
 
 
 def test_mixed_is_deterministic_per_seed_and_respects_n_and_split():

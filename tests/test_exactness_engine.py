@@ -5,7 +5,9 @@ the whole-engine check inside a CI budget (the 10,000-sample gate runs at the ve
 probabilities (KS + χ²); the pair (first, second token) of speculative decoding is compared
 with target-only sampling of the same engine by a χ² homogeneity test. Drafters: n-gram
 lookup (one-hot q), a one-layer self-drafter (full q), a UCB1 bandit choosing among them, and
-the committed trained EAGLE drafter with its low-rank head (full q).
+the committed trained EAGLE drafter with its low-rank head (full q). One case swaps the target:
+a tiny random qwen2 model of Qwen2.5-Coder-1.5B's attention geometry drafted for by a separate
+qwen2 draft LM of the 0.5B's (full q), the pair conf/drafters/qwen_coder.yaml runs.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from flashspec.models import load_model
 from flashspec.tree import TreeShape
 from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
+from test_qwen2 import qwen2_dir
 
 pytestmark = pytest.mark.slow
 N, CHUNK, NEW = 2_000, 500, 2  # the 10,000-sample gate runs at the verify level
@@ -37,6 +40,17 @@ def small(tmp_path_factory):
     model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("two"), n_layers=2)))
     return model, tok.apply_chat_template([{"role": "user", "content": PROMPT}],
                                           add_generation_prompt=True, return_dict=True)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def qwen2_pair(tmp_path_factory):
+    """(target, prompt, draft LM): one-layer random qwen2 models of test_qwen2's 1.5B (untied)
+    and 0.5B (tied) geometries, loaded as a checkpoint would be."""
+    target, tok = load_model(str(qwen2_dir(tmp_path_factory.mktemp("q15"), "1.5b", tie=False,
+                                           layers=1)))
+    source = str(qwen2_dir(tmp_path_factory.mktemp("q05"), "0.5b", tie=True, layers=1, seed=1))
+    draft = ModelDrafter.separate(DraftContext(target, tok), "qwen0.5b", source=source)
+    return target, [3, 141, 59, 26, 5, 35], draft
 
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
@@ -98,8 +112,9 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
 @pytest.mark.parametrize("kind,temperature,top_k", [("layerskip", 1.0, 0), ("bandit", 0.7, 50),
                                                     ("eagletree_resident", 1.0, 0),
                                                     ("layerskip_static", 1.0, 0),
-                                                    ("bandit_resident", 0.7, 50)])
-def test_engine_output_distribution_is_the_targets(small, kind, temperature, top_k):
+                                                    ("bandit_resident", 0.7, 50),
+                                                    ("qwen2lm", 1.0, 0)])
+def test_engine_output_distribution_is_the_targets(request, kind, temperature, top_k):
     """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
     by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
     (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
@@ -111,11 +126,16 @@ def test_engine_output_distribution_is_the_targets(small, kind, temperature, top
     500-row tree gate costs about four minutes of CPU); the tree rule itself is gated on both
     backends in test_exactness_tree.py, and so is the dynamic tree's growth. This gate sees the
     first two tokens only: EAGLE-2's own-score rank, planted, passes it (its bias shows at the
-    second token of a tree step, weakly here); the table gate is where that bug fails."""
-    model, prompt = small
+    second token of a tree step, weakly here); the table gate is where that bug fails.
+    ``qwen2lm``: the qwen2 target and its separate qwen2 draft LM (γ 2), of other shapes."""
     params = SamplingParams(temperature=temperature, top_k=top_k)
     base, _, mode = kind.partition("_")
-    arms = arms_for(model, base)
+    if base == "qwen2lm":
+        model, prompt, draft = request.getfixturevalue("qwen2_pair")
+        arms = [Arm(draft, 2)]
+    else:
+        model, prompt = request.getfixturevalue("small")
+        arms = arms_for(model, base)
     policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
     # a tree step holds [rows, nodes, V] float logits several times over (target, draft,
     # warped) and the counter-based child draws hash [rows, frontier, V] int64 uniforms:

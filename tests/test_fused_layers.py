@@ -19,26 +19,37 @@ from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_
 H, HKV, D = 6, 2, 16            # GQA: 3 query heads per kv head
 CAP = 64
 TOL = dict(rtol=1e-5, atol=1e-5)
+# Attention geometries (query heads, kv heads, head dim, rope θ): the tiny default, and
+# Qwen2.5-Coder-1.5B's (G = 6 query heads per kv head, D = 128) and -0.5B's (G = 7, D = 64),
+# whose models have hidden size H * D (1536, 896) and q/k/v biases.
+GEOMETRIES = {"tiny": (H, HKV, D, 10000.0), "qwen2-1.5b": (12, 2, 128, 1e6),
+              "qwen2-0.5b": (14, 2, 64, 1e6)}
 
 
-def tiny_shape(layers: int = 2, bias: bool = False) -> LlamaShape:
-    return LlamaShape(vocab_size=96, hidden_size=48, intermediate_size=40, num_layers=layers,
-                      num_heads=H, num_kv_heads=HKV, head_dim=D, attention_bias=bias,
-                      max_positions=128)
+def tiny_shape(layers: int = 2, bias: bool = False, geometry: str = "tiny") -> LlamaShape:
+    heads, kv_heads, head_dim, _ = GEOMETRIES[geometry]
+    return LlamaShape(vocab_size=96, hidden_size=48 if geometry == "tiny" else heads * head_dim,
+                      intermediate_size=40, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim, attention_bias=bias,
+                      rms_eps=1e-5 if geometry == "tiny" else 1e-6, max_positions=128)
 
 
-def inv_freq(theta: float = 10000.0) -> torch.Tensor:
-    return 1.0 / theta ** (torch.arange(0, D, 2).float() / D)
+def inv_freq(theta: float = 10000.0, head_dim: int = D) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
 
 
-def tiny_model(layers: int = 2, bias: bool = False, seed: int = 0) -> LlamaLM:
+def tiny_model(layers: int = 2, bias: bool = False, seed: int = 0, geometry: str = "tiny"
+               ) -> LlamaLM:
     torch.manual_seed(seed)
-    model = LlamaLM(tiny_shape(layers, bias), inv_freq(), rope_scale=1.1)
+    _, _, head_dim, theta = GEOMETRIES[geometry]
+    model = LlamaLM(tiny_shape(layers, bias, geometry), inv_freq(theta, head_dim), rope_scale=1.1)
     for name, p in model.named_parameters():
         if "norm" in name:
             torch.nn.init.normal_(p, mean=1.0, std=0.2)
-        else:
-            torch.nn.init.normal_(p, std=1.0 if "embed" in name else 0.15)
+        elif "embed" in name:
+            torch.nn.init.normal_(p, std=1.0)
+        else:   # wider inputs (the qwen2 geometries) get smaller weights: activations stay O(1)
+            torch.nn.init.normal_(p, std=0.15 * min(1.0, math.sqrt(48 / p.shape[-1])))
     return model.eval().requires_grad_(False)
 
 
@@ -62,18 +73,20 @@ def test_add_rmsnorm_matches_reference(with_delta):
     assert torch.equal(x, x0), "the input residual must not be modified"
 
 
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("n", [1, 3, 5])
-def test_rope_cache_write_matches_reference(n):
+def test_rope_cache_write_matches_reference(n, geometry):
     torch.manual_seed(n)
+    H, HKV, D, theta = GEOMETRIES[geometry]
     pos = ragged_positions(n)
     qkv = torch.randn(2, n, (H + 2 * HKV) * D)
-    shape = tiny_shape()
+    shape = tiny_shape(geometry=geometry)
     ref, got = (KVCache([0], 2, CAP, shape, torch.float32, "cpu") for _ in range(2))
     for c in (ref, got):
         c.k.copy_(torch.arange(c.k.numel()).view_as(c.k) * 1e-3)
         c.v.copy_(-c.k)
-    q = fused.rope_cache_write(qkv, pos, got.k[0], got.v[0], inv_freq(), 1.1, H, HKV)
-    freqs = pos[..., None].float() * inv_freq()
+    q = fused.rope_cache_write(qkv, pos, got.k[0], got.v[0], inv_freq(theta, D), 1.1, H, HKV)
+    freqs = pos[..., None].float() * inv_freq(theta, D)
     emb = torch.cat((freqs, freqs), -1)[:, None]
     cos, sin = emb.cos() * 1.1, emb.sin() * 1.1
     qr, kr, vr = qkv.split([H * D, HKV * D, HKV * D], -1)
@@ -95,9 +108,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: 
     return out.transpose(1, 2)
 
 
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("n,block_m", [(1, None), (3, None), (5, None), (5, 16)])
-def test_decode_attention_matches_reference(n, block_m):
+def test_decode_attention_matches_reference(n, block_m, geometry):
     torch.manual_seed(10 + n)
+    H, HKV, D, _ = GEOMETRIES[geometry]
     pos = ragged_positions(n)
     k, v = torch.randn(2, HKV, CAP, D), torch.randn(2, HKV, CAP, D)
     for b in range(2):     # slots beyond a row's last position hold garbage nobody may see
@@ -211,9 +226,10 @@ def run_steps(model: LlamaLM, use_fused: bool, layers: list[int] | None = None
     return outs, cache
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_model_matches_reference(bias):
-    model = fused.fuse_model(tiny_model(bias=bias))
+@pytest.mark.parametrize("bias,geometry", [(False, "tiny"), (True, "tiny"), (True, "qwen2-1.5b"),
+                                           (True, "qwen2-0.5b")])
+def test_fused_model_matches_reference(bias, geometry):
+    model = fused.fuse_model(tiny_model(bias=bias, geometry=geometry))
     ref, ref_cache = run_steps(model, False)
     got, got_cache = run_steps(model, True)
     for r, o in zip(ref, got):
@@ -332,16 +348,19 @@ def test_head_dim_scale_is_inverse_sqrt():
     torch.testing.assert_close(got[0, 0], want, **TOL)
 
 
-@pytest.mark.parametrize("lengths,nodes", [((9, 9), 9), ((7, 12), 9), ((40, 90), 9),
-                                           ((9, 12), 70)])
-def test_fused_tree_step_matches_reference(lengths, nodes):
+@pytest.mark.parametrize("lengths,nodes,geometry", [((9, 9), 9, "tiny"), ((7, 12), 9, "tiny"),
+                                                    ((40, 90), 9, "tiny"), ((9, 12), 70, "tiny"),
+                                                    ((7, 12), 9, "qwen2-1.5b"),
+                                                    ((40, 90), 9, "qwen2-0.5b")])
+def test_fused_tree_step_matches_reference(lengths, nodes, geometry):
     """A draft-tree step (RoPE by depth, own slots, ancestor bitmask attention) through the
     fused layers equals the reference layers under the tree mask: hidden states and the cache,
     ragged rows, a tree of 9 nodes with different shapes per row. (40, 90): prefixes over
     several plain key blocks (32 slots in fp32), a tree that straddles a block boundary. 70
-    nodes: random trees whose ancestor masks take two 64-bit words."""
+    nodes: random trees whose ancestor masks take two 64-bit words. The qwen2 geometries:
+    query groups of 6 and 7 heads, head dims 128 and 64, biases."""
     from flashspec.tree import TreeDraft, tree_attention
-    model = fused.fuse_model(tiny_model())
+    model = fused.fuse_model(tiny_model(bias=geometry != "tiny", geometry=geometry))
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
     if nodes != 9:
         g = torch.Generator().manual_seed(nodes)
@@ -384,6 +403,26 @@ def _random_tree(nodes: int, batch: int, seed: int):
     for i in range(1, nodes):
         depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
     return TreeDraft(torch.zeros_like(parents), parents, depth)
+
+
+@pytest.mark.parametrize("nodes,batch", [(1, 1), (9, 3), (64, 2), (65, 2), (150, 1)])
+def test_tree_path_kernel_matches_reference(nodes, batch):
+    """The path table the tree attention reads (one Triton launch per step) equals the torch
+    reference :func:`flashspec.tree.path_table` and each node's ancestors, root first: masks of
+    one, two and three 64-bit words, a lone root."""
+    from flashspec.tree import TreeAttention, path_table
+    tree = _random_tree(nodes, batch, seed=nodes)
+    bits = tree.ancestor_bits()
+    attention = TreeAttention(torch.zeros(batch, nodes, dtype=torch.long), bits,
+                              torch.full((batch,), 4), 4 + nodes)
+    got = fused.tree_path(attention)
+    assert torch.equal(got, path_table(bits))
+    assert fused.tree_path(attention) is got and attention.path is got    # once per step
+    anc = tree.ancestors()
+    for b in range(batch):
+        for t in range(nodes):
+            path = [j for j in range(nodes) if anc[b, t, j]]
+            assert got[b, t, 0] == len(path) and got[b, t, 1:1 + len(path)].tolist() == path
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -61,6 +61,11 @@ class ModelDrafter(GraphedDrafting, Drafter):
             raise FlashSpecError(f"drafter {name!r} has a different vocabulary/tokenizer than the "
                                  f"target ({model.shape.vocab_size} vs {vocab} ids); pick a drafter "
                                  "of the same model family")
+        if ctx.target.fused and quantization is None:
+            # the run asked for fused decode layers (hardware.fused_layers): the draft LM's
+            # few-token steps take them too, as the target's and an EAGLE module's do
+            from flashspec.models.fused import fuse_model
+            fuse_model(model)
         return cls(model, None, head=head.build(model.lm_head_weight, None, name, ctx.kernels.head_triton),
                    name=name)
 

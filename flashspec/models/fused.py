@@ -169,25 +169,24 @@ def _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen, scale, s_ks,
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o_ptr, n,
-                             capacity, scale, s_kb, s_kh, s_ks,
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o_ptr, n,
+                             capacity, scale, s_kb, s_kh, s_ks, PW,
                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                             TREE: tl.constexpr, NW: tl.constexpr, BLOCK_W: tl.constexpr,
-                             HB: tl.constexpr, IEEE: tl.constexpr):
+                             TREE: tl.constexpr, HB: tl.constexpr, IEEE: tl.constexpr):
     """Chain (program (b * HKV + kv head, query block)): the G = H / HKV query heads of one kv
     head for all n tokens of row b (query row m = t * G + g) against cache slots 0 .. max
     position; a query at position p sees slots <= p.
 
     TREE (program (b * HKV + kv head, node t * HB + head block)): one node, its query heads in
     rows 0 .. G - 1 (HB blocks of BLOCK_M heads when G > BLOCK_M), as an AR step lays out its
-    one token. Bit j of the node's NW-word mask bits_ptr[b, t, :] marks node j (at cache slot
-    base + j, base = base_ptr[b]) as the node itself or an ancestor; parents precede children,
-    so the set bits in order are its path, root first. The node attends the committed prefix
-    (slots below base) and then its path: key lane s reads slot s below base and the slot of
-    the path's (s - base)-th node above it, the sequence that the AR step at the node's
-    position sees, in that step's key blocks. Every block, lane and reduction is the AR
-    step's, so a greedy tree reproduces AR bit for bit. q and o are [B, n, H, D] contiguous."""
+    one token. Row (b, t) of the path table path_ptr [B, n, PW] (:func:`flashspec.tree.path_table`)
+    holds the node's path length k, then the ids of its path, root first (node j sits at cache
+    slot base + j, base = base_ptr[b]). The node attends the committed prefix (slots below
+    base) and then its path: key lane s reads slot s below base and the slot of the path's
+    (s - base + 1)-th node above it, the sequence that the AR step at the node's position
+    sees, in that step's key blocks. Every block, lane and reduction is the AR step's, so a
+    greedy tree reproduces AR bit for bit. q and o are [B, n, H, D] contiguous."""
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -198,11 +197,9 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
         valid = g < G
         h = kvh * G + g
         base = tl.load(base_ptr + b)
-        j = tl.arange(0, BLOCK_W)
-        word = tl.load(bits_ptr + (b * n + t) * NW + j // 64, mask=j < 64 * NW, other=0)
-        bit = ((word >> (j % 64).to(tl.int64)) & 1).to(tl.int32)
-        rank = tl.cumsum(bit, 0)                     # path length up to and including node j
-        hi = tl.minimum(base + tl.sum(bit, 0), capacity).to(tl.int32)
+        row = path_ptr + (b * n + t) * PW
+        steps = tl.load(row)
+        hi = tl.minimum(base + steps, capacity).to(tl.int32)
         qo = (b * n + t) * (H * D) + h[:, None] * D
     else:
         m = tl.program_id(1) * BLOCK_M + r
@@ -221,23 +218,45 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, bits_ptr, base_ptr, o
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    # Key blocks wholly below a tree's path read contiguous slots, as AR's do; only the blocks
+    # that reach the path gather (a loop that may gather anywhere loses the vector loads).
+    plain = hi
+    if TREE:
+        plain = tl.minimum((base // BLOCK_N) * BLOCK_N, hi).to(tl.int32)
+    for start in range(0, plain, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         if TREE:
-            slot = s.to(tl.int64)
-            if start + BLOCK_N > base:               # the block reaches the path
-                step = slot - base + 1               # lane s holds the path's step-th node
-                hit = (rank[None, :] == step[:, None]) & (bit[None, :] != 0)
-                node = tl.sum(tl.where(hit, j[None, :], 0), axis=1)
-                slot = tl.where(step >= 1, base + node, slot)
             seen = valid[:, None] & (s < hi)[None, :]
         else:
-            slot = s
             seen = s[None, :] <= pos[:, None]
-        m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen, scale,
+        m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, s, d, dmask, hi, seen, scale,
                                       s_ks, m_i, l_i, acc, IEEE)
+    if TREE:
+        for start in range(plain, hi, BLOCK_N):
+            s = start + tl.arange(0, BLOCK_N)
+            step = s - base + 1                      # lane s holds the path's step-th node
+            on = (step >= 1) & (step <= steps)
+            node = tl.load(row + step, mask=on, other=0)
+            slot = tl.where(on, base + node, s)
+            seen = valid[:, None] & (s < hi)[None, :]
+            m_i, l_i, acc = _attend_block(q, k_ptr, v_ptr, kv, s, slot, d, dmask, hi, seen,
+                                          scale, s_ks, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + qo, out.to(o_ptr.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _tree_path_kernel(bits_ptr, path_ptr, NW: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Row r of the path table (:func:`flashspec.tree.path_table`) from the NW-word ancestor mask
+    bits_ptr[r]: the count of set bits, then the id of the k-th set bit at entry k."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_W)
+    word = tl.load(bits_ptr + r * NW + j // 64, mask=j < 64 * NW, other=0)
+    bit = ((word >> (j % 64).to(tl.int64)) & 1).to(tl.int32)
+    rank = tl.cumsum(bit, 0)
+    out = path_ptr + r * (64 * NW + 1)
+    tl.store(out + rank, j, mask=bit != 0)
+    tl.store(out, tl.sum(bit, 0))
 
 
 @triton.jit
@@ -354,11 +373,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # An AR step is one token: its G query rows fit a 16-row block whenever G <= 64. A tree
     # node must use that same block and key block, whatever the node count.
     head_blocks = 1
+    table = positions
     if tree is not None:
         block_m = AR_BLOCK_M if group <= 64 else 64
         head_blocks = triton.cdiv(group, block_m)
         grid = (b * kv_heads, n * head_blocks)
-        positions, words = tree.slots, tree.bits.shape[-1]
+        positions, table = tree.slots, tree_path(tree)
     else:
         # chain steps of up to 64 query rows take blocks of 16 rows: more programs in flight
         # than one long program per kv head
@@ -366,15 +386,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         grid = (b * kv_heads, triton.cdiv(n * group, block_m))
     out = torch.empty_like(q) if out is None else out
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, positions, positions if tree is None else tree.bits,
-        positions if tree is None else tree.base, out, n, capacity, 1.0 / math.sqrt(head_dim),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, positions, table, positions if tree is None else tree.base, out, n,
+        capacity, 1.0 / math.sqrt(head_dim), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), table.shape[-1],
         H=heads, HKV=kv_heads, G=group, D=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n or (32 if ieee else 128), BLOCK_D=max(16, _pow2(head_dim)),
-        TREE=tree is not None, NW=1 if tree is None else words,
-        BLOCK_W=16 if tree is None else 64 * _pow2(words), HB=head_blocks, IEEE=ieee,
-        num_warps=warps)
+        TREE=tree is not None, HB=head_blocks, IEEE=ieee, num_warps=warps)
     return out
+
+
+def tree_path(tree: TreeAttention) -> torch.Tensor:
+    """``tree.path`` (:func:`flashspec.tree.path_table`) from one launch of
+    :func:`_tree_path_kernel`, kept on ``tree`` so every layer of the step reads the same table:
+    decoding the bitmask once per step instead of in every attention program."""
+    table = tree.__dict__.get("path")
+    if table is None:
+        bits = tree.bits.contiguous()
+        words = bits.shape[-1]
+        table = torch.zeros(*bits.shape[:-1], 64 * words + 1, dtype=torch.int32,
+                            device=bits.device)
+        if table.numel():
+            _tree_path_kernel[(bits.numel() // words,)](bits, table, NW=words,
+                                                        BLOCK_W=64 * _pow2(words), num_warps=1)
+        tree.__dict__["path"] = table
+    return table
 
 
 def drafter_input(src: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor,

@@ -41,7 +41,17 @@ DUMMY_SHAPES: dict[str, dict] = {
                            num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4),
     "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       model_type="qwen2"),
+                       rope_theta=1000000.0, model_type="qwen2"),
+    # the Qwen2.5-Coder pair (same 151936-id vocabulary: the 0.5B drafts for the 1.5B); qwen2
+    # means q/k/v biases, rms eps 1e-6 (Qwen2Config's default)
+    "qwen2.5-coder-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                               num_hidden_layers=28, num_attention_heads=12,
+                               num_key_value_heads=2, rope_theta=1000000.0,
+                               tie_word_embeddings=False, model_type="qwen2"),
+    "qwen2.5-coder-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                               num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2, rope_theta=1000000.0,
+                               tie_word_embeddings=True, model_type="qwen2"),
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          tie_word_embeddings=True, rope_theta=100000.0),

@@ -44,7 +44,7 @@ from flashspec.verify import SamplingParams, get_backend
 CELLS = {  # name: (dataset, batch, temperature)
     "he_b1": ("humaneval", 1, 0.0), "mt_b1": ("mtbench", 1, 0.0),
     "he_b1_t1": ("humaneval", 1, 1.0), "mt_b1_t1": ("mtbench", 1, 1.0),
-    "he_b32": ("humaneval", 32, 0.0),
+    "he_b32": ("humaneval", 32, 0.0), "mt_b8": ("mtbench", 8, 0.0),
 }
 
 
@@ -89,6 +89,7 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
     for i, spec in enumerate(trees):   # draft trees in the resident loop
         arm = Arm.of_tree(eagle, TreeShape.parse(spec))
         make[f"tree_{arm.tree.label}_res"] = lambda arm=arm: SpecEngine(model, [arm], **res)
+        make[f"tree_{arm.tree.label}_ref"] = lambda arm=arm: SpecEngine(model, [arm], **kw)
         if i == 0:
             make[f"tree_{arm.tree.label}_res_planner"] = lambda arm=arm: SpecEngine(
                 model, [arm], planner=WidthPlanner(), **res)
