@@ -174,8 +174,15 @@ def decode_stats(records: list[dict[str, Any]], baseline: list[dict[str, Any]] |
                  ) -> dict[str, float | None]:
     """α, τ, TPS (pooled), decode TPS, step latency p50/p99 and speedup over ``baseline`` (median
     of per-prompt TPS ratios) of one method's records. τ only where the method counts target
-    forwards (``steps``): HF baselines do not."""
+    forwards (``steps``): HF baselines do not. For greedy records (T = 0) with tokens,
+    ``greedy_equal``: the fraction of prompt turns whose tokens equal the baseline's (1.0: the
+    method reproduced target-only AR token for token)."""
     steps = sum(r["steps"] for r in records)
+    base_tokens = {(b["prompt_id"], b["turn"]): b["tokens"] for b in baseline or []
+                   if b.get("temperature") == 0 and "tokens" in b}
+    same = [r["tokens"] == base_tokens[k] for r in records
+            if r.get("temperature") == 0 and "tokens" in r
+            and (k := (r["prompt_id"], r["turn"])) in base_tokens]
     acc = sum(r["n_accepted"] for r in records)
     base = {(r["prompt_id"], r["turn"]): r["tps"] for r in baseline or []}
     ratios = [r["tps"] / base[k] for r in records
@@ -192,4 +199,5 @@ def decode_stats(records: list[dict[str, Any]], baseline: list[dict[str, Any]] |
             "step_p50_s": statistics.median(p50) if p50 else None,
             "step_p99_s": statistics.median(p99) if p99 else None,
             "speedup": statistics.median(ratios) if ratios else None,
+            "greedy_equal": sum(same) / len(same) if same else None,
             **{f"alpha_d{d}": a for d, a in enumerate(depth, start=1)}}

@@ -41,10 +41,19 @@ def test_every_experiment_config_runs_tiny(tmp_path):
     ran = {e for e in EXPERIMENTS for text in jobs.values() if f"experiment={e}" in text}
     assert ran == set(EXPERIMENTS) - set(SMOKED_ELSEWHERE)
     assert set(SMOKED_ELSEWHERE) <= set(EXPERIMENTS)
+    equal_checked = 0
     for job in jobs:
         recs = records_in(job)
         assert recs, f"{job.name} wrote no records"
         assert all("provenance" in r for r in recs), f"{job.name}: records without provenance"
+        metrics = job / "job_metrics.json"
+        if metrics.is_file():   # greedy fp32 decode jobs: every method of ours reproduces AR
+            job_metrics = json.loads(metrics.read_text())
+            equal = {k: v for k, v in job_metrics.items() if k.endswith("/greedy_equal")
+                     and not k.startswith("hf_")}
+            assert all(v == 1.0 for v in equal.values()), (job.name, equal)
+            equal_checked += len(equal)
+    assert equal_checked, "no decode job reported greedy_equal"
 
 
 @pytest.mark.slow
