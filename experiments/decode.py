@@ -24,6 +24,7 @@ from experiments.harness import (RunDir, build, build_arms, build_drafters, draf
                                  engine_options, load_target, make_planner,
                                  make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
+from flashspec.core import SamplingParams
 from flashspec.data import Prompt, chat_ids
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
@@ -37,7 +38,6 @@ from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, de
                                pick_counts, policy_regret, rates, summarize)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_compiled", "hf_prompt_lookup")

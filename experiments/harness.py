@@ -20,18 +20,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flashspec.bandits import Policy
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.data import PromptSet
 from flashspec.drafters import DraftContext, Drafter
 from flashspec.engine import Arm, arm_name
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
-from flashspec.tree import TreeShape
 from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
                                config_diff, flatten, provenance, read_records)
 from flashspec.verify import get_backend
-from flashspec.verify.sampling import SamplingParams
 from experiments.schema import check_config
 
 log = logging.getLogger("flashspec")
@@ -87,7 +86,7 @@ def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Dra
 
 def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShape]]:
     """(drafter name, γ or draft-tree shape) per arm: the explicit ``arms`` list (a γ, or a tree
-    written as in :meth:`flashspec.tree.TreeShape.parse`: ``4x2x1``, ``dyn15``), or every
+    written as in :meth:`flashspec.core.TreeShape.parse`: ``4x2x1``, ``dyn15``), or every
     drafter × every γ."""
     pairs = cfg_drafters.get("arms")
     if pairs is None:

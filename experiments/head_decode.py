@@ -31,6 +31,7 @@ from tqdm import tqdm
 from experiments.decode import Method, _decode_batch, engine_method, prompt_turn_ids
 from experiments.harness import (build, draft_context, engine_options, load_target, prompt_set,
                                  run_dir)
+from flashspec.core import SamplingParams
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice
@@ -39,7 +40,6 @@ from flashspec.records import RecordWriter, read_records
 from flashspec.analysis.head_timing import head_latency
 from flashspec.theory import kappa as kappa_of
 from flashspec.theory import rho_tps
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

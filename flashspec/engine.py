@@ -19,6 +19,7 @@ import torch
 from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
 from flashspec.bandits.index import FixedArm
 from flashspec.bandits.rewards import reward
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphedStep, Prefill
@@ -27,10 +28,9 @@ from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
-from flashspec.tree import TreeShape, compact_path, tree_attention
+from flashspec.tree import compact_path, tree_attention
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
-from flashspec.verify.sampling import SamplingParams
 
 
 def arm_name(drafter: str | None, how: int | TreeShape) -> str:

@@ -42,14 +42,14 @@ from typing import Hashable, Sequence
 
 import torch
 
+from flashspec.core import SamplingParams, TreeDraft, TreeShape
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
-from flashspec.tree import TreeDraft, TreeShape, compact_path, tree_attention
+from flashspec.tree import compact_path, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream

@@ -21,6 +21,7 @@ import json
 import torch
 from tqdm import tqdm
 
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
@@ -28,8 +29,6 @@ from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 
 
 def main() -> None:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from flashspec.bandits import Policy
+from flashspec.core import SamplingParams
 from flashspec.drafters import DraftContext, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models import LlamaLM, load_model, smollm2_dir
-from flashspec.verify import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -18,12 +18,11 @@ from scipy import stats as sps
 
 from exactness.stats import exact_target_probs, gate, sample_reference
 from flashspec.bandits import UCB1
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.heads import LowRankChoice, LowRankHead
 from flashspec.models import load_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ import torch
 
 from experiments.harness import build_arms, build_drafters, make_policy
 from flashspec.bandits import Policy
+from flashspec.core import SamplingParams
 from flashspec.drafters import DecodeState, DraftContext, Drafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models import load_model
-from flashspec.verify import SamplingParams
 from omegaconf import OmegaConf
 
 

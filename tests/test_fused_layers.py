@@ -298,7 +298,7 @@ def test_eagle_tree_fused_equals_reference(shape):
     """A tree arm end to end (EAGLE expands each frontier in its own slots, the target scores
     every node in one step, paths compacted) through the fused layers: the same greedy tokens
     and acceptance as the reference layers. dyn6d3k3 drafts 21 candidates."""
-    from flashspec.tree import TreeShape
+    from flashspec.core import TreeShape
     model = fused.fuse_model(tiny_model())
     module = EagleModule(model.shape, EagleConfig(in_norm=True, out_norm=True))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
@@ -340,7 +340,8 @@ def test_fused_tree_step_matches_reference(lengths, nodes):
     ragged rows, a tree of 9 nodes with different shapes per row. (40, 90): prefixes over
     several plain key blocks (32 slots in fp32), a tree that straddles a block boundary. 70
     nodes: random trees whose ancestor masks take two 64-bit words."""
-    from flashspec.tree import TreeDraft, tree_attention
+    from flashspec.core import TreeDraft
+    from flashspec.tree import tree_attention
     model = fused.fuse_model(tiny_model())
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
     if nodes != 9:
@@ -376,7 +377,7 @@ def test_fused_tree_step_matches_reference(lengths, nodes):
 
 
 def _random_tree(nodes: int, batch: int, seed: int):
-    from flashspec.tree import TreeDraft
+    from flashspec.core import TreeDraft
     g = torch.Generator().manual_seed(seed)
     parents = torch.tensor([[-1] + [int(torch.randint(max(0, i - 3), i, (), generator=g))
                                     for i in range(1, nodes)] for _ in range(batch)])

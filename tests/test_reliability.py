@@ -183,13 +183,14 @@ def test_hashes_and_provenance():
                                 dict(temperature=-0.5), dict(temperature=1e-38),
                                 dict(temperature=True), dict(top_p=math.nan), dict(top_p=0.0)])
 def test_sampling_params_reject(kw):
-    from flashspec.verify.sampling import SamplingParams
+    from flashspec.core import SamplingParams
     with pytest.raises(FlashSpecError):
         SamplingParams(**kw)
 
 
 def test_smallest_temperature_stays_finite_in_every_dtype():
-    from flashspec.verify.sampling import T_MIN, SamplingParams, sample, warp_logprobs
+    from flashspec.core import SamplingParams, T_MIN
+    from flashspec.verify.sampling import sample, warp_logprobs
     params = SamplingParams(temperature=T_MIN, top_k=3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 1e4)

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from flashspec.bandits import UCB1
 from flashspec.bandits.base import Policy
 from flashspec.bandits.contextual import PerDomain
+from flashspec.core import SamplingParams
 from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import device_lookup, lookup
 from flashspec.engine import Arm, SpecEngine
@@ -21,7 +22,6 @@ from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
 from flashspec.resident import ResidentLoop, Snapshot, catch_up_width, catch_up_widths, run_chunks
-from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from conftest import drive_as_on_a_gpu
 from test_exactness_engine import EAGLE

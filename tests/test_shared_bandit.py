@@ -123,7 +123,7 @@ def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny, planned
     from flashspec.drafters import ModelDrafter, NgramDrafter
     from flashspec.engine import Arm, SpecEngine
     from flashspec.planner import WidthPlanner
-    from flashspec.tree import TreeShape
+    from flashspec.core import TreeShape
     model, prompts = tiny
     ngram, skip = NgramDrafter(max_ngram=2), ModelDrafter(model, [0], name="skip1")
     arms = [Arm(ngram, 1), Arm(ngram, 3), Arm.of_tree(ngram, TreeShape.parse("2x1x1")),

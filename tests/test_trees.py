@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from experiments.harness import build_arms
+from flashspec.core import SamplingParams, TreeDraft, TreeShape
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import branch_tree, device_branches, lookup
 from flashspec.engine import Arm, SpecEngine
@@ -17,8 +18,7 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
-from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_attention
-from flashspec.verify import SamplingParams
+from flashspec.tree import grow_tree, tree_attention
 from test_engine import TEXTS, small_model_dir
 from exactness.tree_harness import static_tree
 from test_exactness_engine import EAGLE

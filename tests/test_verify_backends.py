@@ -15,12 +15,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the tests/exactness helpers
 
 from exactness.cases import ArmSpec, Case, run_case  # noqa: E402
+from flashspec.core import SamplingParams  # noqa: E402
 from flashspec.drafters import NgramDrafter  # noqa: E402
 from flashspec.engine import Arm, SpecEngine  # noqa: E402
 from flashspec.models.llama import LlamaLM, LlamaShape  # noqa: E402
 from flashspec.options import KernelOptions  # noqa: E402
-from flashspec.verify import (Backend, SamplingParams, backend_names, get_backend,  # noqa: E402
-                              reference, register_backend)
+from flashspec.verify import Backend, backend_names, get_backend, reference, register_backend
 
 CALLS: list[int] = []
 

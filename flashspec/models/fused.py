@@ -39,10 +39,10 @@ import triton.language as tl
 from torch import nn
 from triton.language.extra import libdevice
 
+from flashspec.core import TreeAttention
 from flashspec.matmul import linear
 from flashspec.models.llama import LlamaLM, Linear
 from flashspec.options import interpreted
-from flashspec.tree import TreeAttention
 
 MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
 AR_BLOCK_M = 16     # query rows per attention program of a one-token (AR) step
@@ -340,7 +340,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
     a query at position p sees slots 0..p of its own row; with ``tree``
-    (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
+    (:class:`flashspec.core.TreeAttention`) a node sees the committed prefix, its ancestors
     and itself, in the order and blocks of the AR step at its position (so it rounds as that
     step does). Returns [B, n, H, D]. ``block_m`` (query rows of a chain step), ``block_n`` (key
     slots) and ``warps`` per program: the launch geometry; a tree step takes the AR step's, which

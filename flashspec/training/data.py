@@ -242,7 +242,7 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
     what was generated (synthetic prompt provenance, wall time, whether the budget cut it)."""
     from flashspec.engine import Arm, SpecEngine
     from flashspec.training.prompts import synth_prompts
-    from flashspec.verify.sampling import SamplingParams
+    from flashspec.core import SamplingParams
 
     t0 = time.perf_counter()
     synthetic: dict[str, Any] = {}

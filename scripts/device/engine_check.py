@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models.loading import dummy_config, random_model
-from flashspec.verify import SamplingParams
 
 
 def dummy_model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -29,6 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashspec.bandits import UCB1
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
@@ -38,8 +39,7 @@ from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
 from flashspec.planner import WidthPlanner
 from flashspec.theory import expected_tau
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.verify import get_backend
 
 CELLS = {  # name: (dataset, batch, temperature)
     "he_b1": ("humaneval", 1, 0.0), "mt_b1": ("mtbench", 1, 0.0),

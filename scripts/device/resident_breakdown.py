@@ -25,12 +25,13 @@ import time
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.data import chat_ids, load_prompts
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
 from flashspec.resident import ResidentLoop
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.verify import get_backend
 
 from resident_bench import drafter
 

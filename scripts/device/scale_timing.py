@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
 from flashspec.theory import expected_tau
-from flashspec.verify import SamplingParams
 
 ALPHAS = (0.6, 0.7, 0.8)
 

@@ -21,14 +21,13 @@ import time
 import torch
 
 from flashspec import engine as engine_mod
+from flashspec.core import SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter
 from flashspec.engine import Arm, SpecEngine
 from flashspec.heads import LowRankChoice
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 
 
 def timed(table: dict, name: str, fn):
