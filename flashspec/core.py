@@ -293,7 +293,7 @@ class Arm:
         if isinstance(how, float):   # 3.0 is read exactly as 3
             how = int(how)
         if isinstance(how, numbers.Integral):
-            if name == "ar" and how == 0:
+            if name == "ar":   # the plain arm drafts nothing: its γ is read as 0, as it always was
                 return cls()
             if how <= 0:
                 raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")

@@ -9,8 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
-from experiments.harness import arm_pairs, build, make_planner, make_policy, validate
+from experiments.harness import build, config_arms, make_planner, make_policy, validate
 from flashspec.bandits import Policy
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, LowRankChoice, TruncatedChoice
 
@@ -101,11 +102,11 @@ def test_head_setting_no_drafter_takes_is_refused():
     validate(composed("head.rank=d/16"), ["head.rank=d/16"])           # the default drafter takes it
 
 
-def test_arm_pairs_and_a_policy_over_them():
+def test_config_arms_and_a_policy_over_them():
     cfg = composed("drafters=mixed_eagle_ngram_skip", "bandit=rate_tps")
-    pairs = arm_pairs(cfg.drafters)
-    assert pairs == [("ngram", 3), ("eagle_lr72", 3), ("skip10", 2)]
-    policy = make_policy(cfg.bandit, len(pairs), 0)
+    arms = config_arms(cfg.drafters)
+    assert arms == [Arm("ngram", 3), Arm("eagle_lr72", 3), Arm("skip10", 2)]
+    policy = make_policy(cfg.bandit, len(arms), 0)
     assert policy.label == "contextual[ngram_hit](rate_thompson)/tps"
     assert policy.context_keys == ("ngram_hit",)
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashspec.core import Arm
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.drafters.eagle import EagleDrafter
 from flashspec.drafters.eagle_module import EagleConfig, EagleModule
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models import fused
 from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_rope
 
@@ -260,9 +261,10 @@ def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
     return [(base * 4)[i:i + n] for i, n in enumerate(lengths)]
 
 
-def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -> list:
+def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths,
+             drafter=None) -> list:
     model.decode_layers = fused.LAYERS if use_fused else None
-    engine = SpecEngine(model, [arm], graphs=graphs)
+    engine = SpecEngine(model, [arm], graphs=graphs, drafters=[drafter] if drafter else [])
     rows = engine.generate(prompts(lengths), 10).rows
     model.decode_layers = None
     return [(r.tokens, r.accept_hist) for r in rows]
@@ -273,9 +275,9 @@ def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -
 def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
     model = fused.fuse_model(tiny_model())
     drafter = {"ar": None, "ngram": NgramDrafter(), "skip": ModelDrafter(model, [0], name="skip")}[kind]
-    arm = Arm(drafter, 0 if drafter is None else 3)
-    ref = generate(model, False, arm, graphs, lengths)
-    got = generate(model, True, arm, graphs, lengths)
+    arm = Arm() if drafter is None else Arm(drafter.name, 3)
+    ref = generate(model, False, arm, graphs, lengths, drafter)
+    got = generate(model, True, arm, graphs, lengths, drafter)
     assert got == ref
     assert any(len(t) == 10 for t, _ in got)
 
@@ -288,8 +290,8 @@ def test_eagle_drafter_fused_equals_reference(norms):
     module = EagleModule(model.shape, EagleConfig(in_norm=norms, out_norm=norms))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
-    ref = generate(model, False, Arm(drafter, 2), False, (20, 18))
-    got = generate(model, True, Arm(drafter, 2), False, (20, 18))
+    ref = generate(model, False, Arm(drafter.name, 2), False, (20, 18), drafter)
+    got = generate(model, True, Arm(drafter.name, 2), False, (20, 18), drafter)
     assert got == ref
 
 
@@ -303,8 +305,8 @@ def test_eagle_tree_fused_equals_reference(shape):
     module = EagleModule(model.shape, EagleConfig(in_norm=True, out_norm=True))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
-    arm = Arm.of_tree(drafter, TreeShape.parse(shape))
-    ref = generate(model, False, arm, False, (20, 18))
+    arm = Arm(drafter.name, tree=TreeShape.parse(shape))
+    ref = generate(model, False, arm, False, (20, 18), drafter)
     real, checked = module.fused_step, []
 
     def fused_and_reference(inputs, pos, cache, rotary, tree=None):
@@ -317,7 +319,7 @@ def test_eagle_tree_fused_equals_reference(shape):
             checked.append(pos.shape)
         return out
     module.fused_step = fused_and_reference
-    got = generate(model, True, arm, False, (20, 18))
+    got = generate(model, True, arm, False, (20, 18), drafter)
     assert got == ref
     assert checked, "the fused layers never expanded a tree"
 

@@ -224,12 +224,13 @@ def test_check_inputs_accept_and_max_new_tokens():
 
 
 def test_engine_generate_checks_its_inputs():
-    from flashspec.engine import Arm, SpecEngine
+    from flashspec.core import Arm
+    from flashspec.engine import SpecEngine
     from flashspec.models.loading import dummy_config, random_model
     cfg = dummy_config("smollm2-135m")
     cfg.num_hidden_layers, cfg.vocab_size = 1, 64
     model = random_model(cfg, torch.float32, "cpu")
-    engine = SpecEngine(model, [Arm(None, 0)])
+    engine = SpecEngine(model, [Arm()])
     with pytest.raises(FlashSpecError, match="token id 64, outside"):
         engine.generate([[1, 64]], 4)
     with pytest.raises(FlashSpecError, match="max_new_tokens"):

@@ -15,8 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported 
 import pytest
 import torch
 
-from flashspec.core import SamplingParams, TreeDraft
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm, SamplingParams, TreeDraft
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM, LlamaShape
 from flashspec.verify import get_backend, verify, verify_tree
@@ -231,5 +231,5 @@ def test_engine_params_must_be_sampling_params():
     model = LlamaLM(shape, 1.0 / 10000.0 ** (torch.arange(0, 4, 2).float() / 4))
     with pytest.raises(TypeError, match=r"params must be flashspec.verify.SamplingParams, got "
                                         r"dict.*SamplingParams\(\*\*d\)"):
-        SpecEngine(model, [Arm(None, 0)], params={"temperature": 0.7})
-    SpecEngine(model, [Arm(None, 0)], params=SamplingParams(0.7))          # the right type
+        SpecEngine(model, [Arm()], params={"temperature": 0.7})
+    SpecEngine(model, [Arm()], params=SamplingParams(0.7))          # the right type
