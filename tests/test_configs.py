@@ -119,3 +119,25 @@ def test_experiment_preset_overrides_several_groups():
     assert cfg.experiment.name == "decode"
     # a command-line choice still wins over the preset's
     assert composed("experiment=mixed_stream", "dataset=gsm8k").dataset.name == "gsm8k"
+
+
+def test_arm_forms_parse_to_one_value():
+    """Every way a config or a record names an arm reads as the same frozen, hashable Arm, and
+    its label is the record's string again (what committed records and notebooks read)."""
+    from flashspec.core import TreeShape
+    tree = Arm("eagle_lr72", tree=TreeShape.parse("dyn3d3k2"))
+    for form in (["eagle_lr72", "dyn3d3k2"], ("eagle_lr72", TreeShape.parse("dyn3d3k2")),
+                 "eagle_lr72@dyn3d3k2", tree):
+        assert Arm.parse(form) == tree
+    assert tree.gamma == 3 and tree.label == "eagle_lr72@dyn3d3k2" and str(tree) == tree.label
+    for form in (["ngram", 3], ["ngram", 3.0], ["ngram", "3"], "ngram@3"):
+        assert Arm.parse(form) == Arm("ngram", 3)
+    assert Arm.parse("ar") == Arm.parse(["ar", 0]) == Arm() and Arm().label == "ar"
+    assert len({Arm("ngram", 3), Arm.parse("ngram@3"), Arm(), Arm.parse("ar")}) == 2
+    for label in ("ngram@3", "eagle_lr72@dyn3d3k2", "eagle_lr72@4x2x1", "ar"):
+        assert Arm.parse(label).label == label
+    for bad in (["ngram", 0], ["ngram", 2.5], ["ngram", True], "ngram", "@3", ["ngram"]):
+        with pytest.raises(FlashSpecError):
+            Arm.parse(bad)
+    with pytest.raises(FlashSpecError, match="depth 3, not gamma 2"):
+        Arm("eagle_lr72", 2, TreeShape.parse("dyn3d3k2"))
