@@ -393,7 +393,7 @@ class _ScriptedLoop:
         return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)
 
 
-DRAFTING, PLAIN = ("drafter", 1), (None, 0)
+DRAFTING, PLAIN = Arm("drafter", 1), Arm()
 
 
 @pytest.mark.parametrize("arm", [DRAFTING, PLAIN])
