@@ -348,8 +348,8 @@ def test_resident_sampled_and_planned_trees(smol) -> None:
     arms = [Arm("eagle", tree=TreeShape.parse("2x2"))]
     runs = []
     for chunk in (1, 5):
-        engine = SpecEngine(model, arms, drafters=[eagle], params=SamplingParams(temperature=1.0), resident=True,
-                            chunk=chunk, seed=3)
+        engine = SpecEngine(model, arms, drafters=[eagle], params=SamplingParams(temperature=1.0),
+                            resident=True, chunk=chunk, seed=3)
         engine.min_capacity = 256
         runs.append([(r.tokens, r.n_accepted) for r in engine.generate(prompts, 24).rows])
     assert runs[0] == runs[1] and sum(n for _, n in runs[0]) > 0
@@ -358,7 +358,7 @@ def test_resident_sampled_and_planned_trees(smol) -> None:
     engine = SpecEngine(model, arms, drafters=[eagle], planner=planner, resident=True, chunk=2)
     engine.min_capacity = 256
     assert [r.tokens for r in engine.generate(prompts, 24).rows] == [r.tokens for r in ar]
-    assert planner.tree_seen.get("2x2") and planner.seen.get(0), "tree and plain steps probed"
+    assert planner.tree_seen.get(arms[0]) and planner.seen.get(0), "tree and plain steps probed"
 
 
 def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:

@@ -67,7 +67,7 @@ class Policy:
     """K-armed bandit policy over ``n_envs`` independent replicates (one per seed).
 
     Args:
-        n_arms: number of arms K (the engine maps an arm index to a (drafter, γ) pair).
+        n_arms: number of arms K (the engine maps an arm index to a :class:`~flashspec.core.Arm`).
         seed: an int (one replicate, the engine's case) or a sequence of ints (one
             replicate per seed, for vectorised simulation).
         reward: what the engine feeds back after each step (:data:`REWARD_KINDS`): ``alpha``
