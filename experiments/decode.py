@@ -24,8 +24,9 @@ from experiments.harness import (RunDir, build, build_arms, build_drafters, draf
                                  engine_options, load_target, make_planner,
                                  make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
+from flashspec.core import Arm, SamplingParams
 from flashspec.data import Prompt, chat_ids
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.analysis.head_timing import head_latency
 from flashspec.bandits import FixedArm
@@ -37,7 +38,6 @@ from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, de
                                pick_counts, policy_regret, rates, summarize)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 METHODS = ("ar", "spec", "each_arm", "hf_generate", "hf_compiled", "hf_prompt_lookup")
@@ -108,7 +108,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
 def spec_name(arms: list[Arm], policy: Policy) -> str:
     """``spec:<arm>`` for a fixed arm, ``spec:bandit:<policy label>`` for a learning policy."""
     if not policy.learns:
-        return arm_method(arms[int(policy.select())].name)
+        return arm_method(arms[int(policy.select())].label)
     return f"spec:bandit:{policy.label}"
 
 
@@ -120,11 +120,12 @@ class Plan:
     same arms; ``arms``: each arm alone (the reference for regret), by arm index;
     ``full_head``: the head-axis drafter's first arm with its full head (the ρ_τ reference) and
     ``variant``: the same arm with the configured head; ``heads``: (variant, full) head modules
-    of that drafter (for ν and κ).
+    of that drafter (for ν and κ); ``policy_arms``: the arms the policy chooses from, in its
+    index order.
     """
 
     methods: list[Method]
-    arm_names: list[str]
+    policy_arms: list[Arm]
     spec: str | None = None
     extra: list[str] = field(default_factory=list)
     arms: dict[int, str] = field(default_factory=dict)
@@ -133,6 +134,11 @@ class Plan:
     heads: tuple | None = None
     gamma: int = 0
     head: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def arm_names(self) -> list[str]:
+        """The policy's arms as records and metrics name them (:attr:`Arm.label`)."""
+        return [a.label for a in self.policy_arms]
 
     def roles(self) -> dict[str, str]:
         """Method name -> its role, the prefix of its metrics (identical across a sweep's jobs:
@@ -158,19 +164,20 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         raise FlashSpecError(f"unknown decode method(s) or reference(s) {unknown}; methods: "
                              f"{list(METHODS)}, references: {list(REFERENCES)}")
     kw = engine_options(cfg, params, eos)
-    plan = Plan(methods=[], arm_names=[])
+    plan = Plan(methods=[], policy_arms=[])
     arms: list[Arm] = []
     policies: list = []
     if {"spec", "each_arm", "full_head"} & set(wanted):
         ctx = draft_context(cfg, target, tokenizer)
         drafters = build_drafters(cfg.drafters, ctx)
         arms = build_arms(cfg.drafters, drafters)
-        plan.arm_names = [a.name for a in arms]
+        kw["drafters"] = list(drafters.values())
+        plan.policy_arms = arms
         policies = [make_policy(b, len(arms), int(cfg.seed))
                     for b in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]]
     for m in wanted:
         if m == "ar":
-            plan.methods.append(engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw),
+            plan.methods.append(engine_method("ar", SpecEngine(target, [Arm()], **kw),
                                               {"kind": "ar"}))
         elif m == "spec":
             for k, policy in enumerate(policies):
@@ -183,7 +190,7 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                 plan.methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
             for i, a in enumerate(arms):
-                plan.arms[i] = arm_method(a.name)
+                plan.arms[i] = arm_method(a.label)
                 if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
                     continue
                 fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
@@ -206,21 +213,22 @@ def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms:
     that drafter's full head (same backbone, same γ, same prompts)."""
     entries = cfg.drafters.drafters
     for i, arm in enumerate(arms):
-        if arm.drafter is None or not takes_head(entries[arm.drafter.name]):
+        if arm.drafter is None or not takes_head(entries[arm.drafter]):
             continue
-        full = build(entries[arm.drafter.name], _partial_=True)(
-            ctx=ctx, name=arm.drafter.name, head=FullHeadChoice())
-        name = f"ref_full_head:{arm.name}"
-        engine = SpecEngine(ctx.target, [dataclasses.replace(arm, drafter=full)], **kw)
+        full = build(entries[arm.drafter], _partial_=True)(
+            ctx=ctx, name=arm.drafter, head=FullHeadChoice())
+        name = f"ref_full_head:{arm.label}"
+        engine = SpecEngine(ctx.target, [arm], **{**kw, "drafters": [full]})
         plan.methods.append(engine_method(name, engine, arm_key_of(
             cfg, arm, engine.policy.reward_kind, full_head=True)))
-        plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.name}", arm.gamma
-        plan.heads = (arm.drafter.head, full.head)
+        plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.label}", arm.gamma
+        variant = drafters[arm.drafter]
+        plan.heads = (variant.head, full.head)
         choice = build(cfg.head)
         rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
             if isinstance(choice, LowRankChoice) else None
-        plan.head = {"drafter": arm.drafter.name, "kind": choice.kind, "rank": rank,
-                     "params": module_size(arm.drafter.head), "full_params": module_size(full.head)}
+        plan.head = {"drafter": arm.drafter, "kind": choice.kind, "rank": rank,
+                     "params": module_size(variant.head), "full_params": module_size(full.head)}
         plan.arms.setdefault(i, plan.variant)
         if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
             engine = SpecEngine(ctx.target, [arm], **kw)
@@ -327,7 +335,7 @@ def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: b
 
 
 def arm_key_of(cfg: DictConfig, arm: Arm, reward: str, full_head: bool = False) -> dict:
-    return arm_key(cfg, arm.drafter.name, arm.gamma, reward, full_head,
+    return arm_key(cfg, arm.drafter, arm.gamma, reward, full_head,
                    arm.tree.label if arm.tree is not None else None)
 
 
@@ -403,9 +411,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     plan = build_methods(cfg, target, tokenizer, params, eos)
     methods, roles = plan.methods, plan.roles()
-    shapes = [n.rsplit("@", 1)[1] for n in plan.arm_names if "@" in n]
-    resolved = {"arms": plan.arm_names, "gammas": sorted({int(s) for s in shapes if s.isdigit()}),
-                "trees": sorted({s for s in shapes if not s.isdigit()}),
+    arms = plan.policy_arms
+    resolved = {"arms": plan.arm_names,
+                "gammas": sorted({a.gamma for a in arms if a.drafts and a.tree is None}),
+                "trees": sorted({a.tree.label for a in arms if a.tree is not None}),
                 "head": plan.head, "methods": [m.name for m in methods]}
     scope = reuse_scope(cfg)
     keys: dict[str, str] = {}

@@ -20,18 +20,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from flashspec.bandits import Policy
+from flashspec.core import Arm, SamplingParams
 from flashspec.data import PromptSet
 from flashspec.drafters import DraftContext, Drafter
-from flashspec.engine import Arm, arm_name
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
 from flashspec.planner import WidthPlanner
-from flashspec.tree import TreeShape
 from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
                                config_diff, flatten, provenance, read_records)
 from flashspec.verify import get_backend
-from flashspec.verify.sampling import SamplingParams
 from experiments.schema import check_config
 
 log = logging.getLogger("flashspec")
@@ -85,56 +83,46 @@ def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Dra
     return out
 
 
-def arm_pairs(cfg_drafters: Mapping[str, Any]) -> list[tuple[str, int | TreeShape]]:
-    """(drafter name, γ or draft-tree shape) per arm: the explicit ``arms`` list (a γ, or a tree
-    written as in :meth:`flashspec.tree.TreeShape.parse`: ``4x2x1``, ``dyn15``), or every
-    drafter × every γ."""
+def config_arms(cfg_drafters: Mapping[str, Any]) -> list[Arm]:
+    """The arms of a drafter set, in the policy's index order: the explicit ``arms`` list
+    (``[drafter, γ]``, ``[drafter, tree]`` with a tree written as in
+    :meth:`flashspec.core.TreeShape.parse`: ``4x2x1``, ``dyn15``; ``[ar, 0]``: no
+    speculation), or every drafter × every γ. Read from the config alone (no drafter built)."""
     pairs = cfg_drafters.get("arms")
     if pairs is None:
         pairs = [(name, g) for name in (cfg_drafters.get("drafters") or {})
                  for g in cfg_drafters.get("gammas", [4])]
     out = []
     for pair in pairs:
-        if isinstance(pair, str) or len(pair) != 2:
+        if isinstance(pair, str):   # a label reads as one, but a config pair is the form here
             raise FlashSpecError(f"drafters.arms: {pair!r} is not a [drafter, gamma or tree] pair")
-        name, how = pair
-        if isinstance(how, bool) or (isinstance(how, float) and not how.is_integer()):
-            raise FlashSpecError(f"drafters.arms: {how!r} for drafter {name!r} is not a gamma "
-                                 "(a positive int) nor a tree shape")
-        if isinstance(how, float):   # 3.0 is read exactly as 3
-            how = int(how)
-        if isinstance(how, int) and how <= 0 and str(name) != "ar":
-            raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
-        out.append((str(name), how if isinstance(how, int) else TreeShape.parse(str(how))))
+        try:
+            out.append(Arm.parse(list(pair)))
+        except FlashSpecError as e:
+            raise FlashSpecError(f"drafters.arms: {e}") from None
     return out
 
 
 def arm_names(cfg_drafters: Mapping[str, Any]) -> list[str]:
-    """The names of the arms :func:`build_arms` builds, in the policy's index order, from the
-    config alone (no drafter is built): what a job's records and metrics call them."""
-    return [arm_name(None if name == "ar" else name, how) for name, how in arm_pairs(cfg_drafters)]
+    """The labels of the arms :func:`build_arms` builds, in the policy's index order, from the
+    config alone: what a job's records and metrics call them."""
+    return [a.label for a in config_arms(cfg_drafters)]
 
 
 def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter]) -> list[Arm]:
-    """Arms (drafter, γ) or (drafter, tree shape); the name ``ar`` is the arm without
-    speculation (a target-only step)."""
-    arms = []
-    for name, how in arm_pairs(cfg_drafters):
-        if name == "ar":
-            arms.append(Arm(None, 0))
-            continue
-        if name not in drafters:
-            raise FlashSpecError(f"drafters.arms names drafter {name!r}, not in the drafter set "
-                                 f"{list(drafters)}")
-        if isinstance(how, TreeShape):
-            if not drafters[name].tree:
-                raise FlashSpecError(f"drafters.arms gives drafter {name!r} the tree {how.label}; "
-                                     "it drafts chains only (trees: EAGLE and n-gram drafters)")
-            arms.append(Arm.of_tree(drafters[name], how))
-            continue
-        if how <= 0:
-            raise FlashSpecError(f"gamma must be a positive int, got {how} for drafter {name!r}")
-        arms.append(Arm(drafters[name], how))
+    """The arms of the drafter set (:func:`config_arms`), each naming a drafter of ``drafters``
+    that can draft it (a tree arm: a drafter that drafts trees)."""
+    arms = config_arms(cfg_drafters)
+    for arm in arms:
+        if arm.drafter is not None and arm.drafter not in drafters:
+            raise FlashSpecError(f"drafters.arms names drafter {arm.drafter!r}, not in the "
+                                 f"drafter set {list(drafters)}")
+        if arm.tree is not None and not drafters[arm.drafter].tree:
+            raise FlashSpecError(f"drafters.arms gives drafter {arm.drafter!r} the tree "
+                                 f"{arm.tree.label}; it drafts chains only (trees: EAGLE and "
+                                 "n-gram drafters)")
+        if arm.tree is not None:
+            drafters[arm.drafter].check_tree(arm.tree)
     return arms
 
 
@@ -196,7 +184,7 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
                                  f"drafter set ({names}) takes the head choice (drafter entries "
                                  "with `head: ${head}` do); pick drafters=default or drop it")
     if "bandit" in cfg and "drafters" in cfg:
-        make_policy(cfg.bandit, max(1, len(arm_pairs(cfg.drafters))), int(cfg.seed))
+        make_policy(cfg.bandit, max(1, len(config_arms(cfg.drafters))), int(cfg.seed))
     make_planner(cfg)
 
 

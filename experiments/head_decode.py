@@ -31,7 +31,8 @@ from tqdm import tqdm
 from experiments.decode import Method, _decode_batch, engine_method, prompt_turn_ids
 from experiments.harness import (build, draft_context, engine_options, load_target, prompt_set,
                                  run_dir)
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm, SamplingParams
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice
 from flashspec.metrics import format_table, summarize
@@ -39,7 +40,6 @@ from flashspec.records import RecordWriter, read_records
 from flashspec.analysis.head_timing import head_latency
 from flashspec.theory import kappa as kappa_of
 from flashspec.theory import rho_tps
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -200,13 +200,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     kw = {**engine_options(cfg, params, eos), "graphs": False, "compile": False}
     variants = build_variants(cfg, target, tokenizer)
-    methods = [engine_method("ar", SpecEngine(target, [Arm(None, 0)], **kw))]
+    methods = [engine_method("ar", SpecEngine(target, [Arm()], **kw))]
     names: dict[str, str] = {}
     for name, drafter in variants:
-        names[name] = f"spec:{drafter.name}@{gamma}"
+        arm = Arm(drafter.name, gamma)
+        names[name] = f"spec:{arm.label}"
         drafter.head = clock = TimedHead(drafter.head)
         methods.append(timed_method(engine_method(
-            names[name], SpecEngine(target, [Arm(drafter, gamma)], **kw)), clock))
+            names[name], SpecEngine(target, [arm], drafters=[drafter], **kw)), clock))
     iters = 5 if cfg.smoke else int(exp.timing_iters)
     latencies = {name: head_latency(d.head, target.shape.hidden_size, target.device, target.dtype, iters)
                  for name, d in variants}

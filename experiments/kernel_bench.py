@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.errors import FlashSpecError
 from flashspec.options import DEFAULT, KernelOptions
 from flashspec.records import NullLogger, RecordWriter, provenance
-from flashspec.verify import SamplingParams, reference
+from flashspec.verify import reference
 
 RECORDS = "kernel_bench.jsonl"
 FIGURE = "kernel_bench_speedup.png"

@@ -1,6 +1,7 @@
 """The decode loop: exact speculative decoding for a batch of prompts with ragged acceptance.
 
-Each step: the policy picks an arm (drafter, γ) from past steps only; the drafter proposes;
+Each step: the policy picks an arm (:class:`flashspec.core.Arm`: a drafter's name and γ or a
+draft tree) from past steps only; the drafter proposes;
 the target scores [last committed token, drafts] in one forward; ``flashspec.verify`` accepts
 a prefix and emits one more token per row. Rows advance by their own n_accepted + 1, stop at
 their own EOS or length limit, and the KV caches roll back by position bookkeeping only. The
@@ -16,9 +17,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
+from flashspec.bandits.base import Policy, StepOutcome
 from flashspec.bandits.index import FixedArm
 from flashspec.bandits.rewards import reward
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphedStep, Prefill
@@ -27,44 +29,9 @@ from flashspec.metrics import alpha, tau
 from flashspec.models.llama import LlamaLM
 from flashspec.planner import WidthPlanner
 from flashspec.resident import COUNTERS, ResidentLoop, Snapshot, run_chunks
-from flashspec.tree import TreeShape, compact_path, tree_attention
+from flashspec.tree import compact_path, tree_attention
 from flashspec.verify import Backend, get_backend
 from flashspec.verify.rng import call_seed
-from flashspec.verify.sampling import SamplingParams
-
-
-def arm_name(drafter: str | None, how: int | TreeShape) -> str:
-    """An arm's name in methods, records and metrics: ``ar`` (no drafter or γ 0),
-    ``<drafter>@<γ>`` or ``<drafter>@<tree label>``. The one spelling: a config's arm list
-    (``experiments.harness.arm_names``) and a built :class:`Arm` name arms through it."""
-    if drafter is None or how == 0:
-        return "ar"
-    return f"{drafter}@{how.label if isinstance(how, TreeShape) else how}"
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One choice the policy can make: a drafter (None: no speculation) and γ, or a draft tree
-    shape (γ is then the tree's depth: the most drafts a step can accept)."""
-
-    drafter: Drafter | None
-    gamma: int
-    tree: TreeShape | None = None
-
-    @classmethod
-    def of_tree(cls, drafter: Drafter, shape: TreeShape) -> "Arm":
-        drafter.check_tree(shape)
-        return cls(drafter, shape.max_depth, shape)
-
-    @property
-    def name(self) -> str:
-        return arm_name(None if self.drafter is None else self.drafter.name,
-                        self.gamma if self.tree is None else self.tree)
-
-    @property
-    def reach(self) -> int:
-        """Cache slots a step may write beyond the committed length (γ, or the tree's nodes)."""
-        return self.tree.candidates if self.tree is not None else self.gamma
 
 
 @dataclass
@@ -101,6 +68,9 @@ class BatchResult:
 class SpecEngine:
     """Speculative decoding of ``target`` with a set of arms chosen by ``policy``.
 
+    ``arms`` name their drafters (:class:`flashspec.core.Arm`); ``drafters`` are the drafter
+    objects, found by their ``name`` (every drafter an arm names must be given).
+
     ``graphs=True`` runs the target's verify step through :class:`flashspec.graphs.GraphedStep`
     (static buffers, attention over the whole static cache; CUDA graphs on a GPU, with the fused
     verify inside where the backend allows it: ``Backend.fuses_in_graph``); ``compile=True``
@@ -118,6 +88,7 @@ class SpecEngine:
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Policy | None = None,
                  params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
+                 drafters: Sequence[Drafter] = (),
                  compile: bool = False, planner: WidthPlanner | None = None,
                  resident: bool = False, chunk: int = 1) -> None:
         if not isinstance(params, SamplingParams):
@@ -127,24 +98,32 @@ class SpecEngine:
         if not arms:
             raise FlashSpecError("need at least one arm (drafter, gamma)")
         self.backend_impl = get_backend(backend)   # a name is built with default KernelOptions
+        self.drafter_of: dict[str, Drafter] = {}   # by name: what an arm's drafter names
+        for d in drafters:
+            if self.drafter_of.setdefault(d.name, d) is not d:
+                raise FlashSpecError(f"two drafters are named {d.name!r}; arms name drafters")
         for arm in arms:
-            if arm.gamma < 0 or (arm.drafter is not None and arm.gamma == 0):
-                raise FlashSpecError(f"gamma must be >= 1 for a drafter, got {arm.gamma}")
-            if arm.tree is not None and not (arm.drafter is not None and arm.drafter.tree):
-                raise FlashSpecError(f"arm {arm.name}: drafter cannot draft trees")
-            if arm.tree is not None and self.backend_impl.verify_tree is None:
-                raise FlashSpecError(f"arm {arm.name}: verify backend "
-                                     f"{self.backend_impl.name!r} cannot verify trees")
+            if not isinstance(arm, Arm):
+                raise TypeError(f"arms are flashspec.core.Arm values, got {type(arm).__name__} "
+                                "(e.g. Arm('ngram', 4), Arm.parse('eagle@dyn15'))")
+            if arm.drafter is not None and arm.drafter not in self.drafter_of:
+                raise FlashSpecError(f"arm {arm}: no drafter named {arm.drafter!r} among "
+                                     f"drafters={sorted(self.drafter_of)}")
+            if arm.tree is not None:
+                if not self.drafter_of[arm.drafter].tree:
+                    raise FlashSpecError(f"arm {arm}: drafter cannot draft trees")
+                self.drafter_of[arm.drafter].check_tree(arm.tree)
+                if self.backend_impl.verify_tree is None:
+                    raise FlashSpecError(f"arm {arm}: verify backend "
+                                         f"{self.backend_impl.name!r} cannot verify trees")
         self.target, self.arms, self.params = target, list(arms), params
-        self.drafters = list(dict.fromkeys(a.drafter for a in self.arms if a.drafter is not None))
+        self.drafters = [self.drafter_of[n]
+                         for n in dict.fromkeys(a.drafter for a in self.arms if a.drafts)]
         self.policy = policy if policy is not None else FixedArm(len(self.arms))
         if self.policy.n_arms != len(self.arms):
             raise FlashSpecError(f"the policy was built for {self.policy.n_arms} arms; the engine "
                                  f"has {len(self.arms)}")
-        self.policy.bind_arms([ArmSpec(a.drafter.name if a.drafter is not None else None,
-                                       a.gamma if a.drafter is not None else 0,
-                                       a.tree.label if a.tree is not None else None)
-                               for a in self.arms])
+        self.policy.bind_arms(self.arms)
         self.planner = planner
         self.reward_kind = self.policy.reward_kind
         adaptive = len(self.arms) > 1 and self.policy.learns
@@ -209,9 +188,8 @@ class SpecEngine:
             self.step_runner = GraphedStep(self.target, self.cache, self.backend_impl, self.params,
                                            compile=self.compile)
             self.step_runner.prepare(batch, self._step_widths())
-        for arm in self.arms:
-            if arm.drafter is not None:
-                arm.drafter.reset(batch, capacity)
+        for drafter in self.drafters:
+            drafter.reset(batch, capacity)
         if self.resident:
             self._prepare_resident(batch)
         elif self.graphs:
@@ -230,7 +208,7 @@ class SpecEngine:
         drafts, and draft a chain of a tree arm's drafter); the tree step itself runs eagerly."""
         capture = self.target.device.type == "cuda"
         for drafter in self.drafters:
-            gammas = [a.gamma for a in self._chain_arms() if a.drafter is drafter]
+            gammas = [a.gamma for a in self._chain_arms() if a.drafter == drafter.name]
             if gammas:
                 drafter.prepare_graphs(batch, max(gammas), self.params, self.target.device, capture)
 
@@ -239,25 +217,20 @@ class SpecEngine:
         chain of the tree's drafter, up to its depth)."""
         return [a for a in self.arms if a.tree is None or self.planner is not None]
 
-    def _resident_arms(self) -> list[tuple]:
-        """Every step the resident loop may launch: (drafter, γ') chains (the planner: any
-        γ' <= γ, for a tree arm any γ' <= its depth), (drafter, depth, shape) trees, (None, 0)
-        plain target steps."""
-        arms: dict = {}
-        chains = {id(a) for a in self._chain_arms()}
+    def _resident_arms(self) -> list[Arm]:
+        """Every step the resident loop may launch: chains of γ' (the planner: any γ' <= γ, for
+        a tree arm any γ' <= its depth), the tree arms, the plain arm."""
+        arms: dict[Arm, None] = {}
+        chains = self._chain_arms()
         for arm in self.arms:
-            if arm.drafter is None or arm.gamma == 0 or self.planner is not None:
-                arms[(None, 0)] = None
+            if not arm.drafts or self.planner is not None:
+                arms[Arm()] = None
             if arm.tree is not None:
-                arms[self._tree_key(arm)] = None
-            if arm.drafter is not None and id(arm) in chains:
+                arms[arm] = None
+            if arm.drafts and arm in chains:
                 for g in (range(1, arm.gamma + 1) if self.planner is not None else [arm.gamma]):
-                    arms[(arm.drafter, g)] = None
+                    arms[Arm(arm.drafter, g)] = None
         return list(arms)
-
-    @staticmethod
-    def _tree_key(arm: Arm) -> tuple:
-        return (arm.drafter, arm.gamma, arm.tree)
 
     def _prepare_resident(self, batch: int) -> None:
         """The resident loop of this cache, its steps captured before the prefill."""
@@ -282,7 +255,7 @@ class SpecEngine:
         occurs (a tree step does not run through the step runner)."""
         widths: dict[int, bool] = {1: False}
         for arm in self._chain_arms():
-            one_hot = arm.drafter is None or arm.drafter.one_hot
+            one_hot = not arm.drafts or self.drafter_of[arm.drafter].one_hot
             for w in range(2, arm.gamma + 2):
                 widths[w] = widths.get(w, False) or not one_hot
         return widths
@@ -290,26 +263,26 @@ class SpecEngine:
     # ----------------------------------------------------------------- one step
     def _plan(self, state: DecodeState, arm: Arm, budgets: list[int]) -> tuple[Arm, list[int]]:
         """The arm with the planner's γ for this step, and the real drafts per row at that γ."""
-        if self.planner is None or arm.drafter is None or arm.gamma == 0:
+        if self.planner is None or not arm.drafts:
             return arm, [0] * state.batch
         live = [0 if done else g for done, g in zip(state.finished, budgets)]
 
         def avail() -> list[int]:   # asked only when drafting might pay (n-gram: one lookup, kept)
-            return arm.drafter.available(state, arm.gamma)
+            return self.drafter_of[arm.drafter].available(state, arm.gamma)
         if arm.tree is not None:   # the whole tree, or a chain of its drafter (0: plain)
-            k = self.planner.plan_tree(arm.tree.label, arm.gamma, live)
+            k = self.planner.plan_tree(arm, live)
             if k is None:
                 return arm, [0] * state.batch
         else:
             k = self.planner.plan(arm.gamma, avail, live)
         if k == 0:
-            return Arm(None, 0), [0] * state.batch
+            return Arm(), [0] * state.batch
         return Arm(arm.drafter, k), [min(k, a) for a in avail()]
 
     def _propose(self, state: DecodeState, arm: Arm) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if arm.drafter is None or arm.gamma == 0:
+        if not arm.drafts:
             return torch.zeros(state.batch, 0, dtype=torch.long, device=state.device), None
-        return arm.drafter.propose(state, arm.gamma, self.params, self.generator)
+        return self.drafter_of[arm.drafter].propose(state, arm.gamma, self.params, self.generator)
 
     def _verify(self, state: DecodeState, drafts: torch.Tensor, draft_logits: torch.Tensor | None
                 ) -> tuple[list[list[int]], list[int]]:
@@ -338,7 +311,8 @@ class SpecEngine:
         """Draft a tree, score all its nodes in one target forward (tree mask, own slots),
         verify (the backend's ``verify_tree``) and move the accepted path's K/V into
         place. Returns (out rows, n_accepted, drafting seconds)."""
-        tree = arm.drafter.propose_tree(state, arm.tree, self.params, self.generator)
+        tree = self.drafter_of[arm.drafter].propose_tree(state, arm.tree, self.params,
+                                                          self.generator)
         t_draft = time.perf_counter() - t0
         lengths = torch.tensor(state.lengths, device=state.device)
         span = max(state.lengths) + tree.size
@@ -433,13 +407,13 @@ class SpecEngine:
                 drafter.observe(state, n_acc)
             step_s.append(time.perf_counter() - ts)
             if self.planner is not None and arm.tree is not None:
-                self.planner.observe_tree(arm.tree.label, step_s[-1], n_acc, active)
+                self.planner.observe_tree(arm, step_s[-1], n_acc, active)
             elif self.planner is not None:   # a drafter's catch-up step says nothing of k's cost
-                typical = arm.drafter is None or not arm.drafter.catching_up
+                typical = not arm.drafts or not self.drafter_of[arm.drafter].catching_up
                 self.planner.observe(arm.gamma, step_s[-1] if typical else None, real,
                                      n_acc, active)
             proposed, accepted = self._record(rows, active, arm_id, arm.gamma, n_acc)
-            r = self._reward(arm.drafter is not None, proposed, accepted, step_s[-1], t_draft,
+            r = self._reward(arm.drafts, proposed, accepted, step_s[-1], t_draft,
                              sum(active))
             if r is not None:
                 for row, live in zip(rows, active):
@@ -471,22 +445,22 @@ class SpecEngine:
         last["budgets"] = [max_new_tokens] * batch
         t_decode = time.perf_counter()
 
-        def choose() -> tuple[tuple, tuple[int, int, dict]]:
+        def choose() -> tuple[Arm, tuple[int, int, dict]]:
             context = {"step": len(step_s), "domain": domain}
             arm_id = self.policy.select(context)
             arm = self.arms[arm_id]
-            k = arm.gamma if arm.drafter is not None else 0
-            tree = arm.tree is not None and k > 0
+            k = arm.gamma
+            tree = arm.tree is not None
             if self.planner is not None and k:
                 live = [0 if f else b for f, b in zip(last["finished"], last["budgets"])]
                 if tree:     # the tree, or a chain of its drafter, as in the reference loop
-                    chain = self.planner.plan_tree(arm.tree.label, arm.gamma, live)
+                    chain = self.planner.plan_tree(arm, live)
                     tree, k = chain is None, arm.gamma if chain is None else chain
                 else:
                     k = self.planner.plan(arm.gamma, [arm.gamma if n else 0 for n in live], live)
             if tree:
-                return self._tree_key(arm), (arm_id, k, context, True)
-            return (arm.drafter if k else None, k), (arm_id, k, context, False)
+                return arm, (arm_id, k, context, True)
+            return (Arm(arm.drafter, k) if k else Arm()), (arm_id, k, context, False)
 
         def observe(snap: Snapshot, now: dict[str, list[int]]) -> None:
             delta = {k: [a - b for a, b in zip(now[k], last[k])] for k in COUNTERS[:4]}
@@ -497,11 +471,10 @@ class SpecEngine:
             arm_id, k, context, played_tree = snap.tag
             seconds = snap.seconds()
             step_s.extend([seconds / snap.n_steps] * n_live)
-            tree = self.arms[arm_id].tree
             if self.planner is not None and played_tree:
-                self.planner.observe_tree_counts(tree.label, seconds / snap.n_steps,
+                self.planner.observe_tree_counts(self.arms[arm_id], seconds / snap.n_steps,
                                                  sum(delta["accepted"]), sum(delta["steps"]))
-            elif self.planner is not None and self.arms[arm_id].drafter is not None:
+            elif self.planner is not None and self.arms[arm_id].drafts:
                 tries = [a + s - f for a, s, f in zip(delta["accepted"], delta["steps"], delta["full"])]
                 self.planner.observe_counts(k, seconds / snap.n_steps,
                                             delta["accepted"] if k else [0] * batch,
@@ -550,7 +523,7 @@ class SpecEngine:
         planner's cut of the chosen one, a tree played as a chain of its drafter included)."""
         if "outcome" not in self.policy.outcome_keys:
             return context
-        tried = [m if live and played.drafter is not None else 0
+        tried = [m if live and played.drafts else 0
                  for live, m in zip(active, verified)]
         accepted = [min(n, k) for n, k in zip(n_acc, tried)]
         as_chain = self.arms[arm_id].tree is not None and played.tree is None

@@ -19,9 +19,9 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.verify.api import Backend
-from flashspec.verify.sampling import SamplingParams
 
 PREFILL_BUCKET = 64   # prompt windows are padded to a multiple of this many tokens (one graph each)
 

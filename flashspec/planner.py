@@ -17,7 +17,7 @@ it does not pay decodes as plain AR. ``objective='total'`` counts every live row
 A draft-tree arm (:mod:`flashspec.tree`) of depth D may also draft a chain: ``plan_tree``
 plans a chain of k <= D drafts of the tree's drafter as above (k = 0: a plain target step), and
 plays the whole tree instead when its measured tokens per step (decayed mean of accepted + 1
-over live rows) over its measured step cost (the tree's own width and drafting, kept per shape)
+over live rows) over its measured step cost (the tree's own width and drafting, kept per arm)
 beats that chain's value; after ``reprobe`` decisions against the tree in a row it plays the
 tree once more, so one hard prompt cannot shut the tree out for the rest of the run.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 
 OBJECTIVES = ("makespan", "total")
@@ -48,10 +49,10 @@ class WidthPlanner:
     reprobe: int = 16         # decisions against a tree after which it is tried again
     cost: dict[int, float] = field(default_factory=dict)
     seen: dict[int, int] = field(default_factory=dict)
-    tree_cost: dict[str, float] = field(default_factory=dict)
-    tree_seen: dict[str, int] = field(default_factory=dict)
-    tree_gain: dict[str, tuple[float, float]] = field(default_factory=dict)  # (accepted, row-steps)
-    tree_idle: dict[str, int] = field(default_factory=dict)  # plain-step decisions in a row
+    tree_cost: dict[Arm, float] = field(default_factory=dict)    # per tree arm
+    tree_seen: dict[Arm, int] = field(default_factory=dict)
+    tree_gain: dict[Arm, tuple[float, float]] = field(default_factory=dict)  # (accepted, row-steps)
+    tree_idle: dict[Arm, int] = field(default_factory=dict)  # plain-step decisions in a row
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -141,37 +142,40 @@ class WidthPlanner:
         cost[key] = step_s if old is None else old + self.smoothing * (step_s - old)
         seen[key] = seen.get(key, 0) + 1
 
-    def plan_tree(self, label: str, gamma: int, remaining: list[int]) -> int | None:
-        """None: verify the tree ``label`` this step; else k in 0..``gamma`` (the tree's depth),
-        a chain of k drafts of the tree's drafter (0: a plain target step). The chain's probe
+    def plan_tree(self, arm: Arm, remaining: list[int]) -> int | None:
+        """None: verify the tree of ``arm`` this step; else k in 0..γ (the tree's depth), a
+        chain of k drafts of the tree's drafter (0: a plain target step). The chain's probe
         widths are measured first, then the tree; then the tree plays while its tokens per
         second beat the chain's best value."""
+        gamma = arm.gamma
         drafts = [gamma if r > 0 else 0 for r in remaining]   # a model drafter always has γ
         k = self.plan(gamma, drafts, remaining)
         if self._unexplored(gamma):
             return k
-        if self.tree_seen.get(label, 0) < self.explore:
+        if self.tree_seen.get(arm, 0) < self.explore:
             return None
-        acc, steps = self.tree_gain.get(label, (0.0, 0.0))
+        acc, steps = self.tree_gain.get(arm, (0.0, 0.0))
         n_live = sum(1 for r in remaining if r > 0)
-        tree_value = n_live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[label]
-        idle = self.tree_idle.get(label, 0)
+        tree_value = n_live * (1.0 + acc / max(steps, 1e-9)) / self.tree_cost[arm]
+        idle = self.tree_idle.get(arm, 0)
         play = tree_value > self._values(gamma, drafts, remaining)[k] or idle >= self.reprobe
-        self.tree_idle[label] = 0 if play else idle + 1
+        self.tree_idle[arm] = 0 if play else idle + 1
         return None if play else k
 
-    def observe_tree(self, label: str, step_s: float, accepted: list[int], live: list[bool]) -> None:
-        """One tree step: its wall time and the accepted path length of every live row."""
+    def observe_tree(self, arm: Arm, step_s: float, accepted: list[int], live: list[bool]
+                     ) -> None:
+        """One tree step of ``arm``: its wall time and the accepted path length of every live
+        row."""
         n = [a for a, on in zip(accepted, live) if on]
-        self.observe_tree_counts(label, step_s, sum(n), len(n))
+        self.observe_tree_counts(arm, step_s, sum(n), len(n))
 
-    def observe_tree_counts(self, label: str, step_s: float, accepted: int, row_steps: int
+    def observe_tree_counts(self, arm: Arm, step_s: float, accepted: int, row_steps: int
                             ) -> None:
         """Tree steps at once (the resident loop's chunks): the mean step time, the accepted
         drafts and the live row-steps summed over them."""
-        self._measured(self.tree_cost, self.tree_seen, label, step_s)
-        acc, steps = self.tree_gain.get(label, (0.0, 0.0))
-        self.tree_gain[label] = (self.decay * acc + accepted, self.decay * steps + row_steps)
+        self._measured(self.tree_cost, self.tree_seen, arm, step_s)
+        acc, steps = self.tree_gain.get(arm, (0.0, 0.0))
+        self.tree_gain[arm] = (self.decay * acc + accepted, self.decay * steps + row_steps)
 
     def observe(self, k: int, step_s: float | None, real: list[int], accepted: list[int],
                 live: list[bool]) -> None:

@@ -2,8 +2,8 @@
 
 The reference loop (:meth:`flashspec.engine.SpecEngine.generate` without ``resident``) keeps
 lengths, tokens and finished flags in host lists and reads every step's result back. Here
-that state lives on the device (:class:`DeviceState`), and one step of an arm (drafter, γ) is
-a pure device function of it:
+that state lives on the device (:class:`DeviceState`), and one step of an arm
+(:class:`flashspec.core.Arm`: a drafter and γ) is a pure device function of it:
 
 1. the drafter proposes γ tokens from the committed token buffer (model drafters re-read a
    fixed window of the last γ + 1 committed tokens, so the step has one shape; prompt lookup
@@ -14,7 +14,7 @@ a pure device function of it:
 3. commit: accepted tokens are scattered into the buffer, clipped at EOS and at each row's
    budget; lengths, budgets, finished flags and the acceptance counters advance in place.
 
-A draft-tree arm (drafter, depth, shape) follows the same three steps with a tree: the drafter
+A draft-tree arm (a drafter and a tree shape) follows the same three steps with a tree: the drafter
 grows it from the same kind of fixed window (children of sampled nodes drawn from counter-based
 streams of the step's seed), the target scores every node in one pass over the whole cache
 (tree attention), the backend's ``verify_tree`` walks it, and the accepted path's K/V entries
@@ -38,22 +38,21 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Sequence
 
 import torch
 
+from flashspec.core import Arm, SamplingParams, TreeDraft, TreeShape
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
-from flashspec.tree import TreeDraft, TreeShape, compact_path, tree_attention
+from flashspec.tree import compact_path, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
-from flashspec.verify.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream
-StepKey = tuple   # (drafter or None, γ) or (drafter, depth, TreeShape): one kind of step
 COUNTERS = ("steps", "proposed", "accepted", "full", "lengths", "budgets", "finished", "bad")
 
 
@@ -158,8 +157,8 @@ class ResidentLoop:
     """Device-resident steps of a set of arms for one (batch, cache): ``load`` a prefilled
     batch, ``launch(arm, n)`` steps of an arm, ``snapshot()`` the counters without a stall.
 
-    An arm key is (drafter or None, γ) or (drafter, depth, tree shape); γ = 0 (or no drafter)
-    is a plain target step.
+    Each kind of step is an :class:`~flashspec.core.Arm` (the plain arm: a target step); its
+    drafter is found by name among ``drafters``.
     """
 
     def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
@@ -167,7 +166,8 @@ class ResidentLoop:
                  drafters: Sequence[Drafter] = ()) -> None:
         self.target, self.cache, self.params = target, cache, params
         self.drafters = list(drafters)     # every step's hidden states go to each of them
-        self.behind: dict[int, int] = {}   # per drafter: latest tokens its window may not cover
+        self.drafter_of = {d.name: d for d in self.drafters}
+        self.behind: dict[str, int] = {}   # per drafter: latest tokens its window may not cover
         self.verify, self.verify_tree = backend.verify, backend.verify_tree
         dev = target.device
         self.capture = capture and dev.type == "cuda"
@@ -180,39 +180,40 @@ class ResidentLoop:
         self.rows = torch.arange(batch, device=dev)
         self.cols = torch.arange(gamma_max + 1, device=dev)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
-        self.graphs: dict[Hashable, _Captured] = {}
-        self._ahead: tuple[Hashable, Proposal] | None = None   # a drafting queued ahead
+        self.graphs: dict[Arm, _Captured] = {}
+        self._ahead: tuple[Arm, Proposal] | None = None   # a drafting queued ahead
         self.capture_s = 0.0
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
         self._next = 0
 
     # ------------------------------------------------------------------ graphs
-    def prepare(self, arms: Sequence[StepKey]) -> None:
+    def prepare(self, arms: Sequence[Arm]) -> None:
         """Capture every arm's step (before the prefill: the warm-up steps write cache slots of
         a dummy batch, which the prompts rewrite before any query attends them)."""
         if not self.capture:
             return
         s = self.state
         for arm in arms:
-            known = self.graphs.get(self._key(arm))
+            known = self.graphs.get(arm)
             if known is not None and known.signature == self._signature():
                 continue
-            s.lengths.fill_(arm[1] + 2)
+            s.lengths.fill_(arm.gamma + 2)
             s.budgets.fill_(1 << 30)
             s.finished.zero_()
             t0 = time.perf_counter()
-            if drafts(arm):
-                draft, proposal = capture_graph(lambda: self.propose(*arm))
+            if arm.drafts:
+                draft, proposal = capture_graph(lambda: self.propose(arm))
                 draft.replay()    # the verify's warm-up runs read real drafts, not capture garbage
-                settle, _ = capture_graph(lambda: self.settle(proposal, *arm[2:]))
+                settle, _ = capture_graph(lambda: self.settle(proposal, arm.tree))
             else:
                 draft, proposal = None, None
-                settle, _ = capture_graph(lambda: self.step(*arm))
-            self.graphs[self._key(arm)] = _Captured(draft, settle, proposal, self._signature())
+                settle, _ = capture_graph(lambda: self.step(arm))
+            self.graphs[arm] = _Captured(draft, settle, proposal, self._signature())
             self.capture_s += time.perf_counter() - t0
-        if len({self._key(arm) for arm in arms}) > 1:
-            self._prepare_catch_up({arm[0]: None for arm in arms if drafts(arm)})
+        if len(set(arms)) > 1:
+            self._prepare_catch_up({self.drafter_of[arm.drafter]: None
+                                    for arm in arms if arm.drafts})
 
     def _prepare_catch_up(self, drafters: dict[Drafter, None]) -> None:
         """Capture every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
@@ -225,33 +226,28 @@ class ResidentLoop:
         for drafter in drafters:
             drafter.prepare_catch_up(s.tokens, s.lengths, catch_up_widths(top))
 
-    @staticmethod
-    def _key(arm: StepKey) -> Hashable:
-        drafter, gamma, *tree = arm
-        return (None, 0) if drafter is None or gamma == 0 else (id(drafter), gamma, *tree)
-
     def _signature(self) -> tuple:
         """The drafter buffers the graphs were recorded on (a reallocation invalidates them):
         every step writes its hidden states to every drafter."""
         return tuple(d.resident_buffers() for d in self.drafters)
 
     # ------------------------------------------------------------------ one step
-    def step(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None) -> None:
+    def step(self, arm: Arm) -> None:
         """One draft → verify → commit step of every row, as device ops only."""
-        self.settle(self.propose(drafter, gamma, tree), tree)
+        self.settle(self.propose(arm), arm.tree)
 
-    def propose(self, drafter: Drafter | None, gamma: int, tree: TreeShape | None = None
-                ) -> Proposal:
+    def propose(self, arm: Arm) -> Proposal:
         """The drafting half of a step: γ drafts (or a tree) per row from the committed tokens,
         drawn from the step's own random stream."""
         s = self.state
         seed = rng.mix32((s.seed * rng.GOLDEN + s.calls * rng.MUL_A) & rng.MASK32)
-        if drafter is None or gamma == 0:
+        if not arm.drafts:
             return Proposal(seed)
-        if tree is not None:
-            return Proposal(seed, tree=drafter.resident_tree(s.tokens, s.lengths, tree,
+        drafter = self.drafter_of[arm.drafter]
+        if arm.tree is not None:
+            return Proposal(seed, tree=drafter.resident_tree(s.tokens, s.lengths, arm.tree,
                                                              self.params, seed ^ DRAFT_STREAM))
-        drafts, q, real = drafter.resident_draft(s.tokens, s.lengths, gamma, self.params,
+        drafts, q, real = drafter.resident_draft(s.tokens, s.lengths, arm.gamma, self.params,
                                                  seed ^ DRAFT_STREAM)
         return Proposal(seed, drafts, q, real)
 
@@ -326,41 +322,41 @@ class ResidentLoop:
     def load(self, state: DecodeState, max_new_tokens: int, seed: int, calls: int) -> None:
         """Start a batch (:meth:`DeviceState.load`); the drafters have caught up on the prompts."""
         self.state.load(state, max_new_tokens, seed, calls)
-        self.behind = {id(d): 0 for d in self.drafters}
+        self.behind = {d.name: 0 for d in self.drafters}
         self._ahead = None
 
-    def _catch_up(self, arm: StepKey) -> None:
+    def _catch_up(self, arm: Arm) -> None:
         """Before a drafter drafts: catch it up over the latest committed tokens its window
         (the last γ + 1) would miss (:meth:`_account` keeps the count)."""
-        if drafts(arm) and self.behind.get(id(arm[0]), 0) > arm[1] + 1:
-            width = catch_up_width(self.behind[id(arm[0])], self.state.tokens.shape[1] - 1)
-            arm[0].resident_catch_up(self.state.tokens, self.state.lengths, width, self.capture)
+        if arm.drafts and self.behind.get(arm.drafter, 0) > arm.gamma + 1:
+            width = catch_up_width(self.behind[arm.drafter], self.state.tokens.shape[1] - 1)
+            self.drafter_of[arm.drafter].resident_catch_up(self.state.tokens, self.state.lengths,
+                                                           width, self.capture)
 
-    def _account(self, arm: StepKey, n_steps: int) -> None:
+    def _account(self, arm: Arm, n_steps: int) -> None:
         """How far behind each drafter falls in ``n_steps`` steps of ``arm``. A step of γ
         commits at most γ + 1 tokens per row (a tree of depth D: D + 1; a plain step: 1), which
         the same drafter's next window covers; a drafter that did not draft a step falls behind
         by that many."""
-        gamma = arm[1]
-        drafting = arm[0] if drafts(arm) else None
+        gamma = arm.gamma
         for d in self.drafters:
-            self.behind[id(d)] = (gamma + 1 if d is drafting
-                                  else self.behind.get(id(d), 0) + n_steps * (gamma + 1))
+            self.behind[d.name] = (gamma + 1 if d.name == arm.drafter
+                                   else self.behind.get(d.name, 0) + n_steps * (gamma + 1))
 
-    def _captured(self, arm: StepKey) -> _Captured | None:
-        entry = self.graphs.get(self._key(arm))
+    def _captured(self, arm: Arm) -> _Captured | None:
+        entry = self.graphs.get(arm)
         if entry is not None and entry.signature != self._signature():
             raise FlashSpecError("a drafter reallocated its buffers after its resident step was "
                                  "captured; build the engine again for the new batch shape")
         return entry
 
-    def _propose(self, arm: StepKey, entry: _Captured | None) -> Proposal:
+    def _propose(self, arm: Arm, entry: _Captured | None) -> Proposal:
         if entry is None:
-            return self.propose(*arm)
+            return self.propose(arm)
         entry.draft.replay()
         return entry.proposal
 
-    def draft_ahead(self, arm: StepKey) -> None:
+    def draft_ahead(self, arm: Arm) -> None:
         """Queue the drafting of the next step of ``arm`` (an arm that drafts), its drafter
         caught up first; the next :meth:`launch` must be of ``arm`` and starts with the verify.
         The host queues it before it waits on the chunk in flight: the device has work while
@@ -369,13 +365,13 @@ class ResidentLoop:
         if self._ahead is not None:
             raise FlashSpecError("a drafting is already queued ahead")
         self._catch_up(arm)
-        self._ahead = (self._key(arm), self._propose(arm, self._captured(arm)))
+        self._ahead = (arm, self._propose(arm, self._captured(arm)))
 
-    def launch(self, arm: StepKey, n_steps: int) -> None:
+    def launch(self, arm: Arm, n_steps: int) -> None:
         """Run ``n_steps`` steps of ``arm`` (graph replays when captured), the drafter caught
         up first where it needs it; the first drafting is skipped when it was queued ahead."""
         entry, ahead, self._ahead = self._captured(arm), self._ahead, None
-        if ahead is not None and ahead[0] != self._key(arm):
+        if ahead is not None and ahead[0] != arm:
             raise FlashSpecError("the drafting queued ahead is of another arm than the launch")
         if ahead is None:
             self._catch_up(arm)
@@ -388,7 +384,7 @@ class ResidentLoop:
             if entry is not None:
                 entry.settle.replay()
             else:
-                self.settle(p, *arm[2:])
+                self.settle(p, arm.tree)
 
     def mark(self) -> torch.cuda.Event | float:
         """A point in time on the device's stream (the start of a chunk)."""
@@ -414,11 +410,6 @@ class ResidentLoop:
 
     def histogram(self) -> list[list[int]]:
         return self.state.hist.tolist()
-
-
-def drafts(arm: StepKey) -> bool:
-    """Whether a step of ``arm`` drafts (a plain target step does not)."""
-    return arm[0] is not None and arm[1] > 0
 
 
 def catch_up_width(behind: int, top: int) -> int:
@@ -474,7 +465,7 @@ def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int,
             if overlap:
                 continue          # queue the work that goes behind it, then wait
         elif launched < max_steps and overlap and len(pending) < 2 and n > 0:
-            if drafts(arm):
+            if arm.drafts:
                 ahead = (arm, tag, loop.mark())
                 loop.draft_ahead(arm)
             else:
@@ -490,7 +481,7 @@ def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int,
         observe(snap, snap.wait())
 
 
-def _launch(loop: ResidentLoop, pending: deque[Snapshot], arm: StepKey, tag: object, n: int,
+def _launch(loop: ResidentLoop, pending: deque[Snapshot], arm: Arm, tag: object, n: int,
             start, launched: int) -> int:
     """Launch a chunk of ``n`` steps and queue its snapshot; the steps launched."""
     loop.launch(arm, n)

@@ -21,15 +21,14 @@ import json
 import torch
 from tqdm import tqdm
 
+from flashspec.core import Arm, SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 
 
 def main() -> None:
@@ -57,8 +56,8 @@ def main() -> None:
         drafter = EagleDrafter.build(DraftContext(model, tok, args.device, args.dtype), "eagle",
                                      checkpoint="checkpoints/smollm2_eagle_lr72.safetensors",
                                      head=LowRankChoice(rank=72, init="trained"))
-    arms = ([Arm.of_tree(drafter, TreeShape.parse(t)) for t in args.trees.split(",") if t]
-            + [Arm(drafter, int(g)) for g in args.chains.split(",") if g])
+    arms = ([Arm(drafter.name, tree=TreeShape.parse(t)) for t in args.trees.split(",") if t]
+            + [Arm(drafter.name, int(g)) for g in args.chains.split(",") if g])
     out = open(args.out, "w") if args.out else None
     eos = [int(tok.eos_token_id)]
     cuda = args.device == "cuda"
@@ -68,13 +67,13 @@ def main() -> None:
         for temperature in (float(t) for t in args.temperatures.split(",")):
             params = SamplingParams(temperature)
             ar, ar_tps = None, None
-            for arm in [Arm(None, 0)] + arms:
-                engine = SpecEngine(model, [arm], params=params, **kw)
+            for arm in [Arm()] + arms:
+                engine = SpecEngine(model, [arm], params=params, drafters=[drafter], **kw)
                 engine.generate(prompts[:1], 16, seed=99)          # warm-up (graph capture)
                 for p in prompts:   # and every prompt's prefill: kernels compile per length bucket
                     engine.generate([p], 2, seed=99)
                 rows, wall = [], 0.0
-                for i, p in enumerate(tqdm(prompts, desc=f"{dataset} T={temperature} {arm.name}", leave=False)):
+                for i, p in enumerate(tqdm(prompts, desc=f"{dataset} T={temperature} {arm.label}", leave=False)):
                     res = engine.generate([p], args.new, seed=i)
                     rows.append(res.rows[0])
                     wall += res.wall_s
@@ -84,7 +83,7 @@ def main() -> None:
                     continue
                 steps = sum(r.steps for r in rows)
                 acc = sum(r.n_accepted for r in rows)
-                row = {"dataset": dataset, "temperature": temperature, "method": arm.name,
+                row = {"dataset": dataset, "temperature": temperature, "method": arm.label,
                        "verify_width": (arm.tree.size if arm.tree else arm.gamma) + 1,
                        "tau": (acc + steps) / steps, "steps": steps,
                        "alpha_by_depth": alpha_by_depth(r.accept_hist for r in rows),

@@ -47,13 +47,15 @@ JITFunction.run = compile_only
 
 
 def main() -> None:
-    from flashspec import argmax
+    from flashspec.verify import argmax
     from flashspec.heads.triton_head import skinny_matmul
     from flashspec.models import fused
-    from flashspec.tree import TreeAttention, TreeDraft, TreeShape, grow_tree, compact_path
+    from flashspec.core import TreeAttention, TreeDraft, TreeShape
+    from flashspec.tree import grow_tree, compact_path
     from flashspec.models.llama import KVCache, LlamaShape
     from flashspec.options import DEFAULT
-    from flashspec.verify import SamplingParams, triton_backend, triton_tree
+    from flashspec.core import SamplingParams
+    from flashspec.verify import triton_backend, triton_tree
 
     bf16, vocab, d = torch.bfloat16, 1000, 64
     x = torch.randn(4, 3, vocab, dtype=bf16)

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
-from flashspec.argmax import gumbel_argmax, row_argmax, row_topk
-from flashspec.verify.sampling import SamplingParams, gumbel_draw, inverse_temperature
+from flashspec.core import SamplingParams
+from flashspec.verify.argmax import gumbel_argmax, row_argmax, row_topk
+from flashspec.verify.sampling import gumbel_draw, inverse_temperature
 
 
 @settings(max_examples=40, deadline=None)

@@ -105,7 +105,7 @@ def test_a_mistyped_value_is_refused_at_composition(overrides, message):
 
 
 # Leaves no runner reads as a typed value: Hydra's and the logger's settings, the resume mode
-# (validate checks it), arms (harness.arm_pairs parses them), interpolated head choices, and
+# (validate checks it), arms (harness.config_arms parses them), interpolated head choices, and
 # the simulation-only oracle's true means.
 UNTYPED = ["_target_", "_partial_", "resume", "output_dir", "logger.*", "drafters.arms.*.*",
            "drafters.drafters.*.head", "bandit.means", "experiment.policies.*.means"]

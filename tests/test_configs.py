@@ -9,8 +9,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
-from experiments.harness import arm_pairs, build, make_planner, make_policy, validate
+from experiments.harness import build, config_arms, make_planner, make_policy, validate
 from flashspec.bandits import Policy
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, LowRankChoice, TruncatedChoice
 
@@ -101,11 +102,11 @@ def test_head_setting_no_drafter_takes_is_refused():
     validate(composed("head.rank=d/16"), ["head.rank=d/16"])           # the default drafter takes it
 
 
-def test_arm_pairs_and_a_policy_over_them():
+def test_config_arms_and_a_policy_over_them():
     cfg = composed("drafters=mixed_eagle_ngram_skip", "bandit=rate_tps")
-    pairs = arm_pairs(cfg.drafters)
-    assert pairs == [("ngram", 3), ("eagle_lr72", 3), ("skip10", 2)]
-    policy = make_policy(cfg.bandit, len(pairs), 0)
+    arms = config_arms(cfg.drafters)
+    assert arms == [Arm("ngram", 3), Arm("eagle_lr72", 3), Arm("skip10", 2)]
+    policy = make_policy(cfg.bandit, len(arms), 0)
     assert policy.label == "contextual[ngram_hit](rate_thompson)/tps"
     assert policy.context_keys == ("ngram_hit",)
 
@@ -118,3 +119,25 @@ def test_experiment_preset_overrides_several_groups():
     assert cfg.experiment.name == "decode"
     # a command-line choice still wins over the preset's
     assert composed("experiment=mixed_stream", "dataset=gsm8k").dataset.name == "gsm8k"
+
+
+def test_arm_forms_parse_to_one_value():
+    """Every way a config or a record names an arm reads as the same frozen, hashable Arm, and
+    its label is the record's string again (what committed records and notebooks read)."""
+    from flashspec.core import TreeShape
+    tree = Arm("eagle_lr72", tree=TreeShape.parse("dyn3d3k2"))
+    for form in (["eagle_lr72", "dyn3d3k2"], ("eagle_lr72", TreeShape.parse("dyn3d3k2")),
+                 "eagle_lr72@dyn3d3k2", tree):
+        assert Arm.parse(form) == tree
+    assert tree.gamma == 3 and tree.label == "eagle_lr72@dyn3d3k2" and str(tree) == tree.label
+    for form in (["ngram", 3], ["ngram", 3.0], ["ngram", "3"], "ngram@3"):
+        assert Arm.parse(form) == Arm("ngram", 3)
+    assert Arm.parse("ar") == Arm.parse(["ar", 0]) == Arm() and Arm().label == "ar"
+    assert len({Arm("ngram", 3), Arm.parse("ngram@3"), Arm(), Arm.parse("ar")}) == 2
+    for label in ("ngram@3", "eagle_lr72@dyn3d3k2", "eagle_lr72@4x2x1", "ar"):
+        assert Arm.parse(label).label == label
+    for bad in (["ngram", 0], ["ngram", 2.5], ["ngram", True], "ngram", "@3", ["ngram"]):
+        with pytest.raises(FlashSpecError):
+            Arm.parse(bad)
+    with pytest.raises(FlashSpecError, match="depth 3, not gamma 2"):
+        Arm("eagle_lr72", 2, TreeShape.parse("dyn3d3k2"))

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from flashspec.bandits import PerDomain, Policy, ThompsonSampling
+from flashspec.core import Arm
 from flashspec.data import chat_ids, load_prompts, split_ids
 from flashspec.drafters import DraftContext
 from flashspec.drafters.eagle import EagleDrafter
 from flashspec.drafters.eagle_module import EagleConfig, EagleModule
 from flashspec.drafters.ngram import NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models import load_model
 from flashspec.models.llama import LlamaLM
@@ -49,7 +50,7 @@ def prompts(smol) -> list[list[int]]:
 def reference(smol, prompts) -> list[list[int]]:
     """Target-only greedy tokens, one prompt at a time."""
     model, tok = smol
-    engine = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [Arm()], eos_ids=[tok.eos_token_id])
     return [engine.generate([p], N_NEW).rows[0].tokens for p in prompts]
 
 
@@ -65,7 +66,7 @@ def drafter(smol) -> EagleDrafter:
 @needs_ckpt
 def test_greedy_speculative_equals_target(smol, prompts, reference, drafter, batch):
     model, tok = smol
-    engine = SpecEngine(model, [Arm(drafter, 4)], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [Arm("eagle", 4)], drafters=[drafter], eos_ids=[tok.eos_token_id])
     if batch == 1:
         rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
     else:
@@ -82,15 +83,15 @@ def test_static_drafting_equals_eager_drafting(smol, prompts, reference, drafter
     eagerly here): greedy output equals the target's and every step accepts what eager
     drafting accepts, including the γ' < γ shapes and the first (long, eager) window."""
     model, tok = smol
-    eager = SpecEngine(model, [Arm(drafter, 3)], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
+    eager = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
     drafter.graphs = None
-    engine = SpecEngine(model, [Arm(drafter, 3), Arm(drafter, 2)], Alternate(),
+    engine = SpecEngine(model, [Arm("eagle", 3), Arm("eagle", 2)], Alternate(), drafters=[drafter],
                         eos_ids=[tok.eos_token_id], graphs=True)
     static = engine.generate(prompts, N_NEW)
     assert [r.tokens for r in static.rows] == reference
     assert {k[1:3] for k in drafter.graphs.slots} >= {(1, 3), (2, 2), (1, 2)}
     drafter.graphs = None
-    solo = SpecEngine(model, [Arm(drafter, 3)], eos_ids=[tok.eos_token_id], graphs=True)
+    solo = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter], eos_ids=[tok.eos_token_id], graphs=True)
     assert [r.accept_hist for r in solo.generate(prompts, N_NEW).rows] == [
         r.accept_hist for r in eager.rows]
     drafter.graphs = None
@@ -117,15 +118,15 @@ class Alternate(Policy):
 @needs_ckpt
 def test_feature_sync_when_another_arm_runs_between(smol, prompts, reference, drafter):
     model, tok = smol
-    arms = [Arm(NgramDrafter(), 3), Arm(drafter, 4)]
-    engine = SpecEngine(model, arms, Alternate(), eos_ids=[tok.eos_token_id])
+    arms = [Arm("ngram", 3), Arm("eagle", 4)]
+    engine = SpecEngine(model, arms, Alternate(), drafters=[NgramDrafter(), drafter], eos_ids=[tok.eos_token_id])
     rows = engine.generate(prompts, N_NEW).rows
     assert [r.tokens for r in rows] == reference
     assert all(set(r.arms) == {0, 1} for r in rows)
     # per-step reward = α of the step; the eagle steps still draft about as well from synced
     # features as eagle alone does (stale or shifted features drop α to a few percent)
     eagle_alpha = [a for r in rows for a, arm in zip(r.rewards, r.arms) if arm == 1]
-    alone = SpecEngine(model, [Arm(drafter, 4)], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
+    alone = SpecEngine(model, [Arm("eagle", 4)], drafters=[drafter], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
     solo_alpha = [a for r in alone.rows for a in r.rewards]
     mixed, solo = sum(eagle_alpha) / len(eagle_alpha), sum(solo_alpha) / len(solo_alpha)
     assert mixed >= 0.6 * solo and mixed >= 0.15, (mixed, solo)
@@ -255,7 +256,7 @@ def test_greedy_equality_with_an_ngram_hit_contextual_bandit(smol, prompts, refe
     output equal to the target's, and both contexts occur."""
     model, tok = smol
     policy = PerDomain(2, seed=0, inner=ThompsonSampling, key="ngram_hit")
-    engine = SpecEngine(model, [Arm(NgramDrafter(), 3), Arm(drafter, 3)], policy,
+    engine = SpecEngine(model, [Arm("ngram", 3), Arm("eagle", 3)], policy, drafters=[NgramDrafter(), drafter],
                         eos_ids=[tok.eos_token_id])
     rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
     assert [r.tokens for r in rows] == reference

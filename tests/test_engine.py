@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from flashspec.bandits import Policy
-from flashspec.drafters import DraftContext, ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm, SamplingParams
+from flashspec.drafters import DraftContext, Drafter, ModelDrafter, NgramDrafter
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models import LlamaLM, load_model, smollm2_dir
-from flashspec.verify import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -72,28 +72,31 @@ def small_model_dir(out: Path, n_layers: int = 8) -> Path:
     return out
 
 
+ARMS = {"ngram": Arm("ngram", 4), "layerskip": Arm("skip12", 3), "model": Arm("small8", 3)}
+
+
 @pytest.fixture(scope="module")
-def arms(smol, tmp_path_factory) -> dict[str, Arm]:
+def drafters(smol, tmp_path_factory) -> dict[str, Drafter]:
+    """The drafters of :data:`ARMS`, by kind."""
     model, tok = smol
     small = ModelDrafter.separate(DraftContext(model, tok), "small8",
                                   source=str(small_model_dir(tmp_path_factory.mktemp("small"))))
-    return {"ngram": Arm(NgramDrafter(), 4),
-            "layerskip": Arm(ModelDrafter(model, list(range(12)), name="skip12"), 3),
-            "model": Arm(small, 3)}
+    return {"ngram": NgramDrafter(), "layerskip": ModelDrafter(model, list(range(12)), name="skip12"),
+            "model": small}
 
 
 def test_ar_engine_matches_full_recompute(smol, prompts, reference):
     model, tok = smol
-    engine = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [Arm()], eos_ids=[tok.eos_token_id])
     got = [engine.generate([p], N_NEW).rows[0].tokens for p in prompts]
     assert got == reference
 
 
 @pytest.mark.parametrize("kind", ["ngram", "layerskip", "model"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_speculative_equals_target(smol, prompts, reference, arms, kind, batch):
+def test_greedy_speculative_equals_target(smol, prompts, reference, drafters, kind, batch):
     model, tok = smol
-    engine = SpecEngine(model, [arms[kind]], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [ARMS[kind]], eos_ids=[tok.eos_token_id], drafters=[drafters[kind]])
     if batch == 1:
         rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
     else:
@@ -116,21 +119,23 @@ class Cycle(Policy):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_static_step_path_equals_target(smol, prompts, reference, arms, batch):
+def test_static_step_path_equals_target(smol, prompts, reference, drafters, batch):
     """graphs=True (static buffers, attention over the whole cache; eager on a CPU) is exact."""
     model, tok = smol
-    arm_set = [arms["ngram"], Arm(arms["ngram"].drafter, 2), Arm(None, 0)]
-    engine = SpecEngine(model, arm_set, Cycle(len(arm_set)), eos_ids=[tok.eos_token_id], graphs=True)
+    arm_set = [ARMS["ngram"], Arm("ngram", 2), Arm()]
+    engine = SpecEngine(model, arm_set, Cycle(len(arm_set)), eos_ids=[tok.eos_token_id], graphs=True,
+                        drafters=[drafters["ngram"]])
     rows = ([engine.generate([p], N_NEW).rows[0] for p in prompts] if batch == 1
             else engine.generate(prompts, N_NEW).rows)
     assert [r.tokens for r in rows] == reference
     assert engine.step_runner is not None and len(engine.step_runner.slots) >= 2
 
 
-def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, arms):
+def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, drafters):
     """Rows in one batch accept different counts in the same step (no cut to the batch minimum)."""
     model, tok = smol
-    engine = SpecEngine(model, [arms["ngram"]], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [ARMS["ngram"]], eos_ids=[tok.eos_token_id],
+                        drafters=[drafters["ngram"]])
     rows = engine.generate(prompts, N_NEW).rows
     alone = [engine.generate([p], N_NEW).rows[0] for p in prompts]
     assert [r.n_accepted for r in rows] == [r.n_accepted for r in alone]
@@ -139,19 +144,20 @@ def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, arms):
 
 def test_length_limit_and_eos_per_row(smol, prompts):
     model, tok = smol
-    engine = SpecEngine(model, [Arm(NgramDrafter(), 4)], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [Arm("ngram", 4)], eos_ids=[tok.eos_token_id],
+                        drafters=[NgramDrafter()])
     rows = engine.generate(prompts, 7).rows
     assert all(len(r.tokens) <= 7 for r in rows)
-    eos_rows = SpecEngine(model, [Arm(None, 0)], eos_ids=[tok.eos_token_id]).generate(prompts[1:2], 200)
+    eos_rows = SpecEngine(model, [Arm()], eos_ids=[tok.eos_token_id]).generate(prompts[1:2], 200)
     toks = eos_rows.rows[0].tokens
     assert toks[-1] == tok.eos_token_id and tok.eos_token_id not in toks[:-1]
 
 
-def test_sampling_is_reproducible_and_differs_by_seed(smol, prompts, arms):
+def test_sampling_is_reproducible_and_differs_by_seed(smol, prompts, drafters):
     model, tok = smol
     params = SamplingParams(temperature=1.0, top_k=50)
-    run = lambda seed: SpecEngine(model, [arms["layerskip"]], params=params, seed=seed).generate(
-        prompts[:2], 16).rows
+    run = lambda seed: SpecEngine(model, [ARMS["layerskip"]], params=params, seed=seed,
+                                  drafters=[drafters["layerskip"]]).generate(prompts[:2], 16).rows
     a, b, c = run(1), run(1), run(2)
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert [r.tokens for r in a] != [r.tokens for r in c]
@@ -160,11 +166,13 @@ def test_sampling_is_reproducible_and_differs_by_seed(smol, prompts, arms):
 def test_bad_inputs(smol):
     model, _ = smol
     with pytest.raises(FlashSpecError, match="empty prompt"):
-        SpecEngine(model, [Arm(None, 0)]).generate([[]], 4)
+        SpecEngine(model, [Arm()]).generate([[]], 4)
     with pytest.raises(FlashSpecError, match="context window"):
-        SpecEngine(model, [Arm(None, 0)]).generate([[1] * 8190], 16)
+        SpecEngine(model, [Arm()]).generate([[1] * 8190], 16)
     with pytest.raises(FlashSpecError, match="gamma"):
-        SpecEngine(model, [Arm(NgramDrafter(), 0)])
+        SpecEngine(model, [Arm("ngram", 0)], drafters=[NgramDrafter()])
+    with pytest.raises(FlashSpecError, match="no drafter named 'ngram'"):
+        SpecEngine(model, [Arm("ngram", 2)])
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
@@ -175,7 +183,8 @@ def test_nf4_quantized_drafter_keeps_greedy_exact(smol, prompts, reference):
     """A separate NF4 (bitsandbytes) copy of the target drafts; output stays the target's."""
     model, tok = smol
     nf4, _ = load_model("smollm2", quantization="nf4")
-    engine = SpecEngine(model, [Arm(ModelDrafter(nf4, None, name="nf4"), 4)], eos_ids=[tok.eos_token_id])
+    engine = SpecEngine(model, [Arm("nf4", 4)], eos_ids=[tok.eos_token_id],
+                        drafters=[ModelDrafter(nf4, None, name="nf4")])
     rows = [engine.generate([p], N_NEW).rows[0] for p in prompts[:2]]
     assert [r.tokens for r in rows] == reference[:2]
     assert sum(r.n_accepted for r in rows) / sum(r.n_proposed for r in rows) > 0.5

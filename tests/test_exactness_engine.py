@@ -12,6 +12,7 @@ qwen2 draft LM of the 0.5B's (full q), the pair conf/drafters/qwen_coder.yaml ru
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import pytest
@@ -20,12 +21,11 @@ from scipy import stats as sps
 
 from exactness.stats import exact_target_probs, gate, sample_reference
 from flashspec.bandits import UCB1
-from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm, SamplingParams, TreeShape
+from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
+from flashspec.engine import SpecEngine
 from flashspec.heads import LowRankChoice, LowRankHead
 from flashspec.models import load_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from test_qwen2 import qwen2_dir
 
@@ -55,12 +55,13 @@ def qwen2_pair(tmp_path_factory):
 
 def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingParams, seed: int,
                  policy=None, graphs: bool = False, resident: bool = False,
-                 chunk: int = CHUNK, rows: int = N) -> np.ndarray:
+                 chunk: int = CHUNK, rows: int = N, drafters: Sequence[Drafter] = ()
+                 ) -> np.ndarray:
     """``rows`` × NEW tokens from the engine, in chunks of ``chunk`` identical prompts."""
     out = []
     for c in range(rows // chunk):
         engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
-                            graphs=graphs, resident=resident)
+                            graphs=graphs, resident=resident, drafters=drafters)
         engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
         rows = engine.generate([prompt] * chunk, NEW).rows
         out.append(np.array([r.tokens[:NEW] for r in rows]))
@@ -75,7 +76,7 @@ def target_only_pairs(model, prompt: list[int], params: SamplingParams) -> np.nd
     sampling settings) and shared by the variants that use the same settings."""
     key = (id(model), tuple(prompt), params)
     if key not in _TARGET_ONLY:
-        _TARGET_ONLY[key] = sample_pairs(model, prompt, [Arm(None, 0)], params, seed=2)
+        _TARGET_ONLY[key] = sample_pairs(model, prompt, [Arm()], params, seed=2)
     return _TARGET_ONLY[key]
 
 
@@ -92,18 +93,20 @@ def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float
     return float(sps.chi2_contingency(table)[1])
 
 
-def arms_for(model, kind: str) -> list[Arm]:
-    if kind == "eagle":  # the committed trained drafter (rank-72 head, full q) on these features
+def arms_for(model, kind: str) -> tuple[list[Arm], list[Drafter]]:
+    """(arms, their drafters) of a gate ``kind``."""
+    if kind in ("eagle", "eagletree"):  # the committed trained drafter (rank-72 head, full q)
         eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE),
                                    head=LowRankChoice(rank=72, init="trained"))
         assert isinstance(eagle.head, LowRankHead) and eagle.head.rank == 72
-        return [Arm(eagle, 2)]
-    if kind == "eagletree":  # the same drafter as a chain and as a draft tree, under a bandit
-        eagle = arms_for(model, "eagle")[0].drafter
-        return [Arm(eagle, 2), Arm.of_tree(eagle, TreeShape.parse("dyn4d2k2"))]
-    ngram = Arm(NgramDrafter(max_ngram=2), 2)
-    skip = Arm(ModelDrafter(model, [0], name="skip1"), 2)
-    return {"ngram": [ngram], "layerskip": [skip], "bandit": [ngram, skip]}[kind]
+        if kind == "eagle":
+            return [Arm("eagle", 2)], [eagle]
+        # the same drafter as a chain and as a draft tree, under a bandit
+        return [Arm("eagle", 2), Arm("eagle", tree=TreeShape.parse("dyn4d2k2"))], [eagle]
+    drafters = [NgramDrafter(max_ngram=2), ModelDrafter(model, [0], name="skip1")]
+    arms = {"ngram": [Arm("ngram", 2)], "layerskip": [Arm("skip1", 2)],
+            "bandit": [Arm("ngram", 2), Arm("skip1", 2)]}[kind]
+    return arms, drafters
 
 
 EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr72.safetensors"
@@ -132,17 +135,18 @@ def test_engine_output_distribution_is_the_targets(request, kind, temperature, t
     base, _, mode = kind.partition("_")
     if base == "qwen2lm":
         model, prompt, draft = request.getfixturevalue("qwen2_pair")
-        arms = [Arm(draft, 2)]
+        arms, drafters = [Arm(draft.name, 2)], [draft]
     else:
         model, prompt = request.getfixturevalue("small")
-        arms = arms_for(model, base)
+        arms, drafters = arms_for(model, base)
     policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
     # a tree step holds [rows, nodes, V] float logits several times over (target, draft,
     # warped) and the counter-based child draws hash [rows, frontier, V] int64 uniforms:
     # smaller chunks keep a worker's memory a few GB (two workers share this 24 GB box)
     chunk = CHUNK // 4 if base == "eagletree" else CHUNK
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
-                        graphs=mode == "static", resident=mode == "resident", chunk=chunk)
+                        graphs=mode == "static", resident=mode == "resident", chunk=chunk,
+                        drafters=drafters)
     ar = target_only_pairs(model, prompt, params)
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
@@ -171,8 +175,8 @@ def test_engine_gate_catches_a_drafter_that_lies_about_q(small, resident):
             return drafts, torch.zeros_like(logits), real
 
     params = SamplingParams(temperature=1.0)
-    spec = sample_pairs(model, prompt, [Arm(WrongQ(model, [0], name="liar"), 2)], params, seed=5,
-                        resident=resident, rows=N_POWER)
+    spec = sample_pairs(model, prompt, [Arm("liar", 2)], params, seed=5, resident=resident,
+                        rows=N_POWER, drafters=[WrongQ(model, [0], name="liar")])
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0, -1:]
     probs = exact_target_probs(logits, 1.0)

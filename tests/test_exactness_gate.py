@@ -26,7 +26,8 @@ from exactness.cases import ArmSpec, Case, build, run_case  # noqa: E402
 from exactness.choosers import PeekingDrafter, PolicyChooser, SwitchOnRejectChooser  # noqa: E402
 from exactness.planted import BUGS, make_verify  # noqa: E402
 from exactness.stats import exact_target_probs, gate, sample_reference  # noqa: E402
-from flashspec.verify import SamplingParams, get_backend, warp_logprobs  # noqa: E402
+from flashspec.core import SamplingParams  # noqa: E402
+from flashspec.verify import get_backend, warp_logprobs  # noqa: E402
 
 ONE_HOT = ArmSpec(one_hot=True)
 

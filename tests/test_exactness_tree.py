@@ -29,9 +29,8 @@ from exactness.tables import make_draft, make_target  # noqa: E402
 from exactness.tree_harness import (dynamic_tree_speculative_sample,  # noqa: E402
                                     repeated_sibling_speculative_sample,
                                     tree_speculative_sample)
+from flashspec.core import SamplingParams, TreeDraft  # noqa: E402
 import flashspec.tree as tree_growth  # noqa: E402
-from flashspec.tree import TreeDraft  # noqa: E402
-from flashspec.verify import SamplingParams  # noqa: E402
 from flashspec.verify import tree as tree_verify  # noqa: E402
 from test_triton_tree import make_tree_case  # noqa: E402
 

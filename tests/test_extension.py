@@ -9,10 +9,10 @@ import torch
 
 from experiments.harness import build_arms, build_drafters, make_policy
 from flashspec.bandits import Policy
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import DecodeState, DraftContext, Drafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models import load_model
-from flashspec.verify import SamplingParams
 from omegaconf import OmegaConf
 
 
@@ -63,11 +63,11 @@ def test_new_drafter_and_policy_from_config_decode_exactly(tiny):
     drafters = build_drafters(DRAFTERS, DraftContext(model, tok))
     assert isinstance(drafters["repeat"], RepeatLastDrafter) and drafters["repeat"].name == "repeat"
     arms = build_arms(DRAFTERS, drafters)
-    assert [a.name for a in arms] == ["repeat@2", "repeat@3", "ngram@2", "ngram@3"]
+    assert [a.label for a in arms] == ["repeat@2", "repeat@3", "ngram@2", "ngram@3"]
     policy = make_policy(BANDIT, len(arms), seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [9, 9, 9, 9, 10]]
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 16)
-    spec = SpecEngine(model, arms, policy).generate(prompts, 16)
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 16)
+    spec = SpecEngine(model, arms, policy, drafters=list(drafters.values())).generate(prompts, 16)
     assert [r.tokens for r in spec.rows] == [r.tokens for r in ar.rows]
     played = spec.rows[0].arms
     assert played[:4] == [0, 1, 2, 3]          # the round-robin policy really chose the arms

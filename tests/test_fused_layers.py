@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashspec.core import Arm
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.drafters.eagle import EagleDrafter
 from flashspec.drafters.eagle_module import EagleConfig, EagleModule
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models import fused
 from flashspec.models.llama import KVCache, LlamaLM, LlamaShape, RMSNorm, apply_rope
 
@@ -276,9 +277,10 @@ def prompts(lengths: tuple[int, ...]) -> list[list[int]]:
     return [(base * 4)[i:i + n] for i, n in enumerate(lengths)]
 
 
-def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -> list:
+def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths,
+             drafter=None) -> list:
     model.decode_layers = fused.LAYERS if use_fused else None
-    engine = SpecEngine(model, [arm], graphs=graphs)
+    engine = SpecEngine(model, [arm], graphs=graphs, drafters=[drafter] if drafter else [])
     rows = engine.generate(prompts(lengths), 10).rows
     model.decode_layers = None
     return [(r.tokens, r.accept_hist) for r in rows]
@@ -289,9 +291,9 @@ def generate(model: LlamaLM, use_fused: bool, arm: Arm, graphs: bool, lengths) -
 def test_engine_greedy_fused_equals_reference(kind, graphs, lengths):
     model = fused.fuse_model(tiny_model())
     drafter = {"ar": None, "ngram": NgramDrafter(), "skip": ModelDrafter(model, [0], name="skip")}[kind]
-    arm = Arm(drafter, 0 if drafter is None else 3)
-    ref = generate(model, False, arm, graphs, lengths)
-    got = generate(model, True, arm, graphs, lengths)
+    arm = Arm() if drafter is None else Arm(drafter.name, 3)
+    ref = generate(model, False, arm, graphs, lengths, drafter)
+    got = generate(model, True, arm, graphs, lengths, drafter)
     assert got == ref
     assert any(len(t) == 10 for t, _ in got)
 
@@ -304,8 +306,8 @@ def test_eagle_drafter_fused_equals_reference(norms):
     module = EagleModule(model.shape, EagleConfig(in_norm=norms, out_norm=norms))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
-    ref = generate(model, False, Arm(drafter, 2), False, (20, 18))
-    got = generate(model, True, Arm(drafter, 2), False, (20, 18))
+    ref = generate(model, False, Arm(drafter.name, 2), False, (20, 18), drafter)
+    got = generate(model, True, Arm(drafter.name, 2), False, (20, 18), drafter)
     assert got == ref
 
 
@@ -314,13 +316,13 @@ def test_eagle_tree_fused_equals_reference(shape):
     """A tree arm end to end (EAGLE expands each frontier in its own slots, the target scores
     every node in one step, paths compacted) through the fused layers: the same greedy tokens
     and acceptance as the reference layers. dyn6d3k3 drafts 21 candidates."""
-    from flashspec.tree import TreeShape
+    from flashspec.core import TreeShape
     model = fused.fuse_model(tiny_model())
     module = EagleModule(model.shape, EagleConfig(in_norm=True, out_norm=True))
     module.init_weights(std=0.15, generator=torch.Generator().manual_seed(4))
     drafter = EagleDrafter(model, module.eval().requires_grad_(False).fuse())
-    arm = Arm.of_tree(drafter, TreeShape.parse(shape))
-    ref = generate(model, False, arm, False, (20, 18))
+    arm = Arm(drafter.name, tree=TreeShape.parse(shape))
+    ref = generate(model, False, arm, False, (20, 18), drafter)
     real, checked = module.fused_step, []
 
     def fused_and_reference(inputs, pos, cache, rotary, tree=None):
@@ -333,7 +335,7 @@ def test_eagle_tree_fused_equals_reference(shape):
             checked.append(pos.shape)
         return out
     module.fused_step = fused_and_reference
-    got = generate(model, True, arm, False, (20, 18))
+    got = generate(model, True, arm, False, (20, 18), drafter)
     assert got == ref
     assert checked, "the fused layers never expanded a tree"
 
@@ -359,7 +361,8 @@ def test_fused_tree_step_matches_reference(lengths, nodes, geometry):
     several plain key blocks (32 slots in fp32), a tree that straddles a block boundary. 70
     nodes: random trees whose ancestor masks take two 64-bit words. The qwen2 geometries:
     query groups of 6 and 7 heads, head dims 128 and 64, biases."""
-    from flashspec.tree import TreeDraft, tree_attention
+    from flashspec.core import TreeDraft
+    from flashspec.tree import tree_attention
     model = fused.fuse_model(tiny_model(bias=geometry != "tiny", geometry=geometry))
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 6], [-1, 0, 1, 2, 3, 0, 5, 0, 7]])
     if nodes != 9:
@@ -395,7 +398,7 @@ def test_fused_tree_step_matches_reference(lengths, nodes, geometry):
 
 
 def _random_tree(nodes: int, batch: int, seed: int):
-    from flashspec.tree import TreeDraft
+    from flashspec.core import TreeDraft
     g = torch.Generator().manual_seed(seed)
     parents = torch.tensor([[-1] + [int(torch.randint(max(0, i - 3), i, (), generator=g))
                                     for i in range(1, nodes)] for _ in range(batch)])
@@ -408,9 +411,9 @@ def _random_tree(nodes: int, batch: int, seed: int):
 @pytest.mark.parametrize("nodes,batch", [(1, 1), (9, 3), (64, 2), (65, 2), (150, 1)])
 def test_tree_path_kernel_matches_reference(nodes, batch):
     """The path table the tree attention reads (one Triton launch per step) equals the torch
-    reference :func:`flashspec.tree.path_table` and each node's ancestors, root first: masks of
+    reference :func:`flashspec.core.path_table` and each node's ancestors, root first: masks of
     one, two and three 64-bit words, a lone root."""
-    from flashspec.tree import TreeAttention, path_table
+    from flashspec.core import TreeAttention, path_table
     tree = _random_tree(nodes, batch, seed=nodes)
     bits = tree.ancestor_bits()
     attention = TreeAttention(torch.zeros(batch, nodes, dtype=torch.long), bits,

@@ -26,8 +26,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported 
 import pytest
 import torch
 
-from flashspec.tree import TreeDraft, compact_path
-from flashspec.verify import SamplingParams, get_backend, reference, verify, verify_tree
+from flashspec.core import SamplingParams, TreeDraft
+from flashspec.tree import compact_path
+from flashspec.verify import get_backend, reference, verify, verify_tree
 from flashspec.verify import triton_backend as tb
 from flashspec.verify.triton_host import MAX_GRID_Y
 

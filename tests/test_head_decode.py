@@ -4,8 +4,9 @@ import math
 import pytest
 
 from experiments.head_decode import _step_seconds, head_rows, loop_stats, phase_seconds
-from experiments.harness import arm_pairs
+from experiments.harness import config_arms
 from flashspec.analysis.bandit_stream_plot import stream
+from flashspec.core import Arm
 from flashspec.theory import rho_tps
 
 
@@ -72,11 +73,11 @@ def test_step_seconds_is_a_ratio_of_sums():
     assert _step_seconds(recs, "m") == {"d": 0.2}
 
 
-def test_arm_pairs_follow_the_engine_order():
+def test_config_arms_follow_the_engine_order():
     explicit = {"drafters": {"a": {}, "b": {}}, "arms": [["b", 2], ["a", 3]]}
-    assert arm_pairs(explicit) == [("b", 2), ("a", 3)]
+    assert config_arms(explicit) == [Arm("b", 2), Arm("a", 3)]
     product = {"drafters": {"a": {}, "b": {}}, "gammas": [2, 4], "arms": None}
-    assert arm_pairs(product) == [("a", 2), ("a", 4), ("b", 2), ("b", 4)]
+    assert config_arms(product) == [Arm("a", 2), Arm("a", 4), Arm("b", 2), Arm("b", 4)]
 
 
 def test_stream_concatenates_steps_of_one_method():

@@ -1,4 +1,7 @@
-"""The flashspec package's import graph: no cycles, no imports of experiments/ or scripts/.
+"""The flashspec package's import graph: no cycles, no imports of experiments/ or scripts/, and
+layers (:data:`LAYERS`: core types, utilities, kernels and verify, models, drafters and heads,
+the decode core, training, experiments) that imports only go down, verify standing on the core
+types alone and models importing nothing about trees.
 
 Every module's source is parsed (nothing is imported); ``import flashspec.x`` and
 ``from flashspec.x import y`` count wherever they stand, inside functions too. ``from pkg import
@@ -9,6 +12,7 @@ not depend on its package's ``__init__``), but importing a name from a package `
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,3 +150,124 @@ def test_flashspec_never_imports_experiments_or_scripts():
     _, tops = graph()
     bad = {m: sorted(t & set(FORBIDDEN)) for m, t in tops.items() if t & set(FORBIDDEN)}
     assert not bad, f"flashspec modules import runner code: {bad}"
+
+
+# ----------------------------------------------------------------------------- layering
+# The house, bottom up: an import may point down or sideways (within a layer), never up. A
+# module belongs to the first layer with a prefix that names it or a package above it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core types", ("flashspec.core", "flashspec.errors")),
+    ("utilities", ("flashspec.options", "flashspec.paths", "flashspec.seeds", "flashspec.theory",
+                   "flashspec.metrics", "flashspec.inputs", "flashspec.data", "flashspec.records",
+                   "flashspec.hardware")),
+    ("kernels and verify", ("flashspec.verify", "flashspec.tree", "flashspec.tree_kernels",
+                            "flashspec.matmul")),
+    ("models", ("flashspec.models",)),
+    ("drafters and heads", ("flashspec.drafters", "flashspec.heads")),
+    ("decode core", ("flashspec.engine", "flashspec.resident", "flashspec.graphs",
+                     "flashspec.planner", "flashspec.bandits")),
+    ("training", ("flashspec.training",)),
+    ("experiments", ("flashspec.analysis",)),
+]
+
+# Upward arrows today's code still has, each with why; the test fails when one disappears too
+# (then delete it here), so the list only shrinks.
+KNOWN_UPWARD = {
+    ("flashspec.drafters.base", "flashspec.graphs"):
+        "drafters capture their own CUDA graphs (GraphCache, bucketed); issue 41 item 2 moves "
+        "capture into the captured stepper",
+}
+
+# What "about trees" means for models/: the tree modules; of the core types, a model takes the
+# attention layout of a tree step (TreeAttention) and nothing of how a tree is drafted.
+TREE_MODULES = ("flashspec.tree", "flashspec.tree_kernels", "flashspec.verify.tree",
+                "flashspec.verify.triton_tree")
+TREE_NAMES = {"TreeDraft", "TreeShape", "MAX_NODES", "NODE_STREAMS", "pack_bits", "unpack_bits",
+              "tree_mask"}
+
+
+def layer_of(module: str) -> int:
+    if module == "flashspec":      # the package's __init__ (empty): importing it reaches the top
+        return len(LAYERS) - 1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS; place it")
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every import ``a -> b`` of a lower layer's module ``a`` reaching up to ``b``."""
+    return sorted((a, b) for a, targets in edges.items() for b in targets
+                  if layer_of(b) > layer_of(a))
+
+
+def core_imports() -> tuple[set[str], set[str]]:
+    """(flashspec modules, other top-level packages) that flashspec.core imports."""
+    return imported(PACKAGE / "core.py", "flashspec.core", set(modules()))
+
+
+def names_from(path: Path, module: str) -> set[str]:
+    """Names a file imports with ``from <module> import ...`` (anywhere in it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and node.module == module and not node.level for a in node.names}
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer_of(name)
+
+
+def test_layer_checker_reports_a_planted_upward_import():
+    """The checker itself: verify reaching up to the tree module and a model reaching up to the
+    engine inside a function (both edges as the walker records them) are reported; a
+    sideways import within a layer and a downward one are not."""
+    planted = {"flashspec.verify.sampling": {"flashspec.tree", "flashspec.core"},
+               "flashspec.models.llama": {"flashspec.engine"},
+               "flashspec.drafters.eagle": {"flashspec.heads.train", "flashspec.models.llama"}}
+    assert upward(planted) == [("flashspec.models.llama", "flashspec.engine")]
+    # verify -> tree is sideways by layer; the rule for verify (below) is what refuses it
+    assert verify_escapes(planted) == [("flashspec.verify.sampling", "flashspec.tree")]
+
+
+def test_no_import_goes_up_a_layer():
+    edges, _ = graph()
+    found = set(upward(edges))
+    new = sorted(found - set(KNOWN_UPWARD))
+    gone = sorted(set(KNOWN_UPWARD) - found)
+    assert not new, "imports that go up a layer (see LAYERS):\n" + "\n".join(
+        f"{a} ({LAYERS[layer_of(a)][0]}) -> {b} ({LAYERS[layer_of(b)][0]})" for a, b in new)
+    assert not gone, f"known upward imports no longer there (delete them from KNOWN_UPWARD): {gone}"
+
+
+def verify_escapes(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of flashspec.verify modules outside verify/ and below its layer: verify stands on
+    the core types and utilities alone (not on flashspec.tree, the tree kernels or argmax's
+    callers), so everything in its layer may use it."""
+    return sorted((a, b) for a, targets in edges.items() if a.startswith("flashspec.verify")
+                  for b in targets if not b.startswith("flashspec.verify")
+                  and layer_of(b) >= layer_of("flashspec.verify"))
+
+
+def test_verify_stands_on_the_core_types_alone():
+    edges, _ = graph()
+    assert not verify_escapes(edges), verify_escapes(edges)
+
+
+def test_models_import_nothing_about_trees():
+    edges, _ = graph()
+    mods = modules()
+    for name, targets in edges.items():
+        if not name.startswith("flashspec.models"):
+            continue
+        trees = sorted(t for t in targets if t in TREE_MODULES)
+        assert not trees, f"{name} imports tree modules {trees}"
+        names = names_from(mods[name], "flashspec.core") & TREE_NAMES
+        assert not names, f"{name} imports {sorted(names)} (a model takes TreeAttention only)"
+
+
+def test_core_types_import_only_torch_the_standard_library_and_errors():
+    flashspec_modules, tops = core_imports()
+    assert flashspec_modules <= {"flashspec.errors"}, flashspec_modules
+    other = tops - {"flashspec", "torch"} - set(sys.stdlib_module_names)
+    assert not other, f"flashspec.core imports {sorted(other)}"

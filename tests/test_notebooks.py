@@ -189,10 +189,10 @@ def test_decode_results_on_a_fresh_design_card_sweep(design_card_sweep: Path, mo
 
 def test_the_notebook_names_a_jobs_arms_as_the_job_does():
     """paper_tables names a job's arms from its config (``experiments.harness.arm_names``), the
-    job from the arms it built (``Arm.name``): the same names for a chain, a draft tree and the
+    job from the arms it built (``Arm.label``): the same names for a chain, a draft tree and the
     target-only arm, so each arm's records alone (``spec:<arm>``) are found for its μ_k."""
     from experiments.harness import arm_names, build_arms
     from flashspec.drafters.ngram import NgramDrafter
     cfg = {"drafters": {"ngram": {}}, "arms": [["ngram", 3], ["ngram", "3x1x1"], ["ar", 1]]}
     built = build_arms(cfg, {"ngram": NgramDrafter()})
-    assert arm_names(cfg) == [a.name for a in built] == ["ngram@3", "ngram@3x1x1", "ar"]
+    assert arm_names(cfg) == [a.label for a in built] == ["ngram@3", "ngram@3x1x1", "ar"]

@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashspec.core import Arm
 from flashspec.drafters import NgramDrafter
 from flashspec.drafters.ngram import NgramIndex, lookup
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM, LlamaShape
 from flashspec.planner import WidthPlanner
@@ -105,8 +106,9 @@ def test_planned_decoding_is_exact(batch):
     g = torch.Generator().manual_seed(1)
     base = torch.randint(0, model.shape.vocab_size, (12,), generator=g).tolist()
     prompts = [(base * 4)[: 20 + 5 * b] for b in range(batch)]
-    ref = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40)
-    engine = SpecEngine(model, [Arm(NgramDrafter(), 6)], planner=WidthPlanner(explore=1))
+    ref = SpecEngine(model, [Arm()]).generate(prompts, 40)
+    engine = SpecEngine(model, [Arm("ngram", 6)], planner=WidthPlanner(explore=1),
+                        drafters=[NgramDrafter()])
     got = engine.generate(prompts, 40)
     assert [r.tokens for r in got.rows] == [r.tokens for r in ref.rows]
     widths = {len(row.accept_hist) for row in got.rows}

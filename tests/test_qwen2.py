@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from flashspec.drafters import DraftContext, ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm
+from flashspec.engine import SpecEngine
 from flashspec.models import fused, load_model, smollm2_dir
 from flashspec.models.llama import LlamaLM
 
@@ -139,17 +140,18 @@ def test_engine_greedy_qwen2_equals_target_only(one_layer_dirs, drafter, use_fus
     target, tok = load_model(str(one_layer_dirs["1.5b"]))
     fused.fuse_model(target, use_fused)
     ctx = DraftContext(target, tok)
-    arm = {"draft_lm": lambda: Arm(ModelDrafter.separate(
-               ctx, "qwen0.5b", source=str(one_layer_dirs["0.5b"])), 3),
-           "self": lambda: Arm(ModelDrafter(target, None, name="self"), 3),
-           "ngram": lambda: Arm(NgramDrafter(), 3)}[drafter]()
+    draft = {"draft_lm": lambda: ModelDrafter.separate(
+                 ctx, "qwen0.5b", source=str(one_layer_dirs["0.5b"])),
+             "self": lambda: ModelDrafter(target, None, name="self"),
+             "ngram": lambda: NgramDrafter()}[drafter]()
+    arm = Arm(draft.name, 3)
     if drafter == "draft_lm":     # a fused target's separate draft LM is fused too
-        assert arm.drafter.model.shape.head_dim == 64 and arm.drafter.model.fused
+        assert draft.model.shape.head_dim == 64 and draft.model.fused
     g = torch.Generator().manual_seed(2)
     base = torch.randint(0, VOCAB, (4,), generator=g).tolist()
     prompts = [base * 2, (base * 2)[1:] + [7, 9]]
-    ar = SpecEngine(target, [Arm(None, 0)]).generate(prompts, 8).rows
-    spec = SpecEngine(target, [arm]).generate(prompts, 8).rows
+    ar = SpecEngine(target, [Arm()]).generate(prompts, 8).rows
+    spec = SpecEngine(target, [arm], drafters=[draft]).generate(prompts, 8).rows
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert all(len(r.tokens) == 8 for r in ar)
     if drafter == "self":
@@ -196,7 +198,7 @@ def test_qwen_coder_drafter_set_builds_against_a_qwen2_target(one_layer_dirs):
                    f"drafters.drafters.coder05b.source={one_layer_dirs['0.5b']}")
     drafters = build_drafters(cfg.drafters, DraftContext(target, tok))
     arms = build_arms(cfg.drafters, drafters)
-    assert [a.name for a in arms] == ["coder05b@3", "coder05b@2", "coder05b@4", "coder05b@5",
+    assert [a.label for a in arms] == ["coder05b@3", "coder05b@2", "coder05b@4", "coder05b@5",
                                       "ngram@3", "ngram@5"]
     draft = drafters["coder05b"]
     assert isinstance(draft, ModelDrafter) and draft.model.shape.hidden_size == 896

@@ -183,13 +183,14 @@ def test_hashes_and_provenance():
                                 dict(temperature=-0.5), dict(temperature=1e-38),
                                 dict(temperature=True), dict(top_p=math.nan), dict(top_p=0.0)])
 def test_sampling_params_reject(kw):
-    from flashspec.verify.sampling import SamplingParams
+    from flashspec.core import SamplingParams
     with pytest.raises(FlashSpecError):
         SamplingParams(**kw)
 
 
 def test_smallest_temperature_stays_finite_in_every_dtype():
-    from flashspec.verify.sampling import T_MIN, SamplingParams, sample, warp_logprobs
+    from flashspec.core import SamplingParams, T_MIN
+    from flashspec.verify.sampling import sample, warp_logprobs
     params = SamplingParams(temperature=T_MIN, top_k=3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits = (torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 1e4)
@@ -223,12 +224,13 @@ def test_check_inputs_accept_and_max_new_tokens():
 
 
 def test_engine_generate_checks_its_inputs():
-    from flashspec.engine import Arm, SpecEngine
+    from flashspec.core import Arm
+    from flashspec.engine import SpecEngine
     from flashspec.models.loading import dummy_config, random_model
     cfg = dummy_config("smollm2-135m")
     cfg.num_hidden_layers, cfg.vocab_size = 1, 64
     model = random_model(cfg, torch.float32, "cpu")
-    engine = SpecEngine(model, [Arm(None, 0)])
+    engine = SpecEngine(model, [Arm()])
     with pytest.raises(FlashSpecError, match="token id 64, outside"):
         engine.generate([[1, 64]], 4)
     with pytest.raises(FlashSpecError, match="max_new_tokens"):

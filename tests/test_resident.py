@@ -13,15 +13,15 @@ from hypothesis import given, settings, strategies as st
 from flashspec.bandits import UCB1
 from flashspec.bandits.base import Policy
 from flashspec.bandits.contextual import PerDomain
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import device_lookup, lookup
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
 from flashspec.resident import ResidentLoop, Snapshot, catch_up_width, catch_up_widths, run_chunks
-from flashspec.verify import SamplingParams
 from test_engine import small_model_dir
 from conftest import drive_as_on_a_gpu
 from test_exactness_engine import EAGLE
@@ -64,7 +64,7 @@ def small(tmp_path_factory):
 @pytest.fixture(scope="module")
 def drafters(small):
     model, _ = small
-    return {"ngram": NgramDrafter(), "skip": ModelDrafter(model, [0, 1], name="skip2"),
+    return {"ngram": NgramDrafter(), "skip": ModelDrafter(model, [0, 1], name="skip"),
             "eagle": EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE))}
 
 
@@ -73,12 +73,15 @@ def eos(small):
     """An end token that greedy row 0 first reaches mid-stream (at its 7th token or later), so
     EOS clipping inside an accepted run is exercised."""
     model, prompts = small
-    row = SpecEngine(model, [Arm(None, 0)]).generate(prompts[:1], NEW).rows[0].tokens
+    row = SpecEngine(model, [Arm()]).generate(prompts[:1], NEW).rows[0].tokens
     return [next(t for i, t in enumerate(row) if i >= 6 and t not in row[:i])]
 
 
-def run(model, prompts, arms, eos, **kw):
-    return SpecEngine(model, arms, eos_ids=eos, **kw).generate(prompts, NEW, seed=11).rows
+def run(model, prompts, arms, eos, drafters=(), **kw):
+    """``arms`` of ``drafters`` (a dict of them, by name: the fixtures')."""
+    drafters = list(drafters.values()) if isinstance(drafters, dict) else list(drafters)
+    return SpecEngine(model, arms, eos_ids=eos, drafters=drafters, **kw).generate(
+        prompts, NEW, seed=11).rows
 
 
 @pytest.mark.parametrize("name,gamma", [("ngram", 4), ("skip", 3), ("eagle", 3), ("eagle", 1)])
@@ -86,14 +89,15 @@ def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
     """Same tokens (EOS inside accepted runs, ragged prompts, budget clipping) and, for model
     drafters, the same steps, accepted counts and acceptance histograms, at B = 1 and 3."""
     model, prompts = small
-    arms = [Arm(drafters[name], gamma)]
-    ref = run(model, prompts, arms, eos)
-    ar = run(model, prompts, [Arm(None, 0)], eos)
+    arms = [Arm(name, gamma)]
+    ref = run(model, prompts, arms, eos, drafters)
+    ar = run(model, prompts, [Arm()], eos)
     assert [r.tokens for r in ref] == [r.tokens for r in ar]
     assert 7 <= len(ar[0].tokens) < NEW and ar[0].tokens[-1] == eos[0]
     for chunk in (1, 5):
-        batch = run(model, prompts, arms, eos, resident=True, chunk=chunk)
-        single = [run(model, [p], arms, eos, resident=True, chunk=chunk)[0] for p in prompts]
+        batch = run(model, prompts, arms, eos, drafters, resident=True, chunk=chunk)
+        single = [run(model, [p], arms, eos, drafters, resident=True, chunk=chunk)[0]
+                  for p in prompts]
         for got in (batch, single):
             assert [r.tokens for r in got] == [r.tokens for r in ref]
             if name != "ngram":   # n-gram: the resident loop counts real drafts per row
@@ -124,7 +128,8 @@ def test_bucketed_prefill_keeps_the_prompts_states(small):
 def test_resident_budget_and_max_new_tokens_one(small, drafters):
     model, prompts = small
     for new in (1, 2, 7):
-        rows = SpecEngine(model, [Arm(drafters["ngram"], 6)], resident=True).generate(prompts, new).rows
+        rows = SpecEngine(model, [Arm("ngram", 6)], resident=True,
+                          drafters=[drafters["ngram"]]).generate(prompts, new).rows
         assert [len(r.tokens) for r in rows] == [new] * len(prompts)
 
 
@@ -133,8 +138,8 @@ def test_resident_sampling_uses_the_reference_seeds(small, eos):
     so the tokens agree exactly; and the chunk size never changes a sampled run."""
     model, prompts = small
     params = SamplingParams(temperature=1.0)
-    ref = run(model, prompts, [Arm(None, 0)], eos, params=params)
-    got = run(model, prompts, [Arm(None, 0)], eos, params=params, resident=True, chunk=3)
+    ref = run(model, prompts, [Arm()], eos, params=params)
+    got = run(model, prompts, [Arm()], eos, params=params, resident=True, chunk=3)
     assert [r.tokens for r in got] == [r.tokens for r in ref]
 
 
@@ -142,23 +147,23 @@ def test_resident_sampling_uses_the_reference_seeds(small, eos):
 def test_resident_sampled_run_does_not_depend_on_chunking(small, drafters, eos, name):
     model, prompts = small
     params = SamplingParams(temperature=1.0, top_k=20)
-    arms = [Arm(drafters[name], 3)]
-    a = run(model, prompts, arms, eos, params=params, resident=True, chunk=1)
-    b = run(model, prompts, arms, eos, params=params, resident=True, chunk=6)
+    arms = [Arm(name, 3)]
+    a = run(model, prompts, arms, eos, drafters, params=params, resident=True, chunk=1)
+    b = run(model, prompts, arms, eos, drafters, params=params, resident=True, chunk=6)
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert [r.n_accepted for r in a] == [r.n_accepted for r in b]
 
 
 def test_resident_bandit_and_planner_keep_greedy_output(small, drafters, eos):
     model, prompts = small
-    ar = [r.tokens for r in run(model, prompts, [Arm(None, 0)], eos)]
-    arms = [Arm(drafters["ngram"], 4), Arm(drafters["skip"], 2), Arm(drafters["eagle"], 3)]
+    ar = [r.tokens for r in run(model, prompts, [Arm()], eos)]
+    arms = [Arm("ngram", 4), Arm("skip", 2), Arm("eagle", 3)]
     policy = UCB1(len(arms), seed=0)
-    got = run(model, prompts, arms, eos, policy=policy, resident=True, chunk=2)
+    got = run(model, prompts, arms, eos, drafters, policy=policy, resident=True, chunk=2)
     assert [r.tokens for r in got] == ar
     assert min(policy.counts) > 0, "every arm must have been tried"
     planner = WidthPlanner(explore=1)
-    got = run(model, prompts, [Arm(drafters["eagle"], 4)], eos, planner=planner, resident=True,
+    got = run(model, prompts, [Arm("eagle", 4)], eos, drafters, planner=planner, resident=True,
               chunk=2)
     assert [r.tokens for r in got] == ar
     assert set(planner.seen) >= {0, 2, 4}, "the planner probes widths 0, γ/2 and γ"
@@ -192,7 +197,7 @@ def smol():
     eagle = EagleDrafter.build(DraftContext(model, tok), "eagle", checkpoint=str(EAGLE),
                                head=LowRankChoice(rank=72, init="trained"))
     return model, prompts, {"eagle": eagle, "skip": ModelDrafter(model, list(range(26)),
-                                                                 name="first26")}
+                                                                 name="skip")}
 
 
 @pytest.mark.parametrize("name", ["eagle", "skip"])
@@ -207,9 +212,10 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     fall behind)."""
     model, prompts, drafters = smol
     drafter = drafters[name]
-    arms = [Arm(None, 0), Arm(drafter, 4), Arm(drafter, 1), Arm(drafter, 3)]
-    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), 3))
-    got = run(model, prompts, arms, [], policy=Cycle(len(arms), 3), resident=True, chunk=1)
+    arms = [Arm(), Arm(name, 4), Arm(name, 1), Arm(name, 3)]
+    ref = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3))
+    got = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3), resident=True,
+              chunk=1)
     assert sum(r.n_accepted for r in ref) > 10
     assert [r.tokens for r in got] == [r.tokens for r in ref]
     assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
@@ -224,14 +230,15 @@ def test_eagle_catch_up_is_needed_and_done(smol, monkeypatch, gammas, run_len):
     accepted counts, histograms); with ``ResidentLoop._catch_up`` planted as a no-op it does
     not (the schedule of the test above never falls that far behind, and passes either way)."""
     model, prompts, drafters = smol
-    arms = [Arm(drafters["eagle"] if g else None, g) for g in gammas]
-    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len))
+    arms = [Arm("eagle" if g else None, g) for g in gammas]
+    ref = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), run_len))
     stats = lambda rows: [(r.steps, r.n_accepted, r.accept_hist) for r in rows]
-    got = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len), resident=True, chunk=1)
+    got = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), run_len), resident=True,
+              chunk=1)
     assert stats(got) == stats(ref) and sum(r.n_accepted for r in ref) > 10
     monkeypatch.setattr(ResidentLoop, "_catch_up", lambda self, arm: None)
-    planted = run(model, prompts, arms, [], policy=Cycle(len(arms), run_len), resident=True,
-                  chunk=1)
+    planted = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), run_len),
+                  resident=True, chunk=1)
     assert stats(planted) != stats(ref)
 
 
@@ -241,10 +248,10 @@ def test_drafting_ahead_equals_reference_loop(small, drafters, eos, overlapped, 
     resident run gives the reference loop's tokens and, for a model drafter, its steps,
     accepted counts and histograms: the drafting of a step only moved before the host's wait."""
     model, prompts = small
-    arms = [Arm(drafters[name], gamma)]
-    ref = run(model, prompts, arms, eos)
+    arms = [Arm(name, gamma)]
+    ref = run(model, prompts, arms, eos, drafters)
     for chunk in (1, 3):
-        got = run(model, prompts, arms, eos, resident=True, chunk=chunk)
+        got = run(model, prompts, arms, eos, drafters, resident=True, chunk=chunk)
         assert [r.tokens for r in got] == [r.tokens for r in ref]
         if name != "ngram":
             assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
@@ -260,10 +267,10 @@ def test_drafting_ahead_catches_drafters_up(smol, monkeypatch, name):
     eager resident loop (over the same windows)."""
     model, prompts, drafters = smol
     drafter = drafters[name]
-    arms = [Arm(None, 0), Arm(drafter, 4), Arm(drafter, 1), Arm(drafter, 3)]
+    arms = [Arm(), Arm(name, 4), Arm(name, 1), Arm(name, 3)]
     widths: dict[str, list[int]] = {"eager": [], "ahead": []}
     catch_up = drafter.resident_catch_up
-    ref = run(model, prompts, arms, [], policy=Cycle(len(arms), 3, lead=1))
+    ref = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3, lead=1))
     assert sum(r.n_accepted for r in ref) > 10
     try:
         for mode, lead in (("eager", 1), ("ahead", 0)):
@@ -271,7 +278,7 @@ def test_drafting_ahead_catches_drafters_up(smol, monkeypatch, name):
                 drive_as_on_a_gpu(monkeypatch)
             drafter.resident_catch_up = lambda *a, _w=widths[mode], **k: (_w.append(a[2]),
                                                                          catch_up(*a, **k))[1]
-            got = run(model, prompts, arms, [], policy=Cycle(len(arms), 3, lead=lead),
+            got = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3, lead=lead),
                       resident=True, chunk=1)
             assert [r.arms for r in got] == [r.arms for r in ref]
             assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
@@ -288,7 +295,7 @@ def test_prepare_catch_up_runs_each_window_once(smol):
     lacks is recorded. Eager here: the same GraphCache slots."""
     model, prompts, drafters = smol
     eagle = drafters["eagle"]
-    run(model, prompts, [Arm(eagle, 3)], [], resident=True)       # buffers for the 3 rows
+    run(model, prompts, [Arm("eagle", 3)], [], drafters, resident=True)   # buffers for the 3 rows
     batch, top = eagle.feats.shape[0], 63          # a 64-token buffer: windows 4 .. 63
     tokens = torch.zeros(batch, top + 1, dtype=torch.long)
     lengths = torch.full((batch,), top)
@@ -330,18 +337,19 @@ def test_resident_refuses_what_it_cannot_run(small, drafters):
             raise AssertionError
 
     with pytest.raises(FlashSpecError, match="cannot draft in the resident loop"):
-        SpecEngine(model, [Arm(HostOnly(), 2)], resident=True)
-    arms = [Arm(drafters["ngram"], 2), Arm(drafters["skip"], 2)]
+        SpecEngine(model, [Arm("drafter", 2)], resident=True, drafters=[HostOnly()])
+    arms = [Arm("ngram", 2), Arm("skip", 2)]
     with pytest.raises(FlashSpecError, match="step and domain only"):
-        SpecEngine(model, arms, policy=PerDomain(2, seed=0, key="ngram_hit"), resident=True)
+        SpecEngine(model, arms, policy=PerDomain(2, seed=0, key="ngram_hit"), resident=True,
+                   drafters=list(drafters.values()))
     with pytest.raises(FlashSpecError, match="chunk"):
-        SpecEngine(model, arms[:1], resident=True, chunk=0)
+        SpecEngine(model, arms[:1], resident=True, chunk=0, drafters=[drafters["ngram"]])
 
 
 def test_resident_flags_nan_logits(small, drafters):
     """A NaN in the target's logits stops the run with an error instead of emitting tokens."""
     model, prompts = small
-    engine = SpecEngine(model, [Arm(drafters["ngram"], 2)], resident=True)
+    engine = SpecEngine(model, [Arm("ngram", 2)], resident=True, drafters=[drafters["ngram"]])
     saved = model.lm_head.weight.data[0, 0].item()
     model.lm_head.weight.data[0, 0] = float("nan")
     try:
@@ -385,7 +393,7 @@ class _ScriptedLoop:
         return Snapshot(torch.tensor(row)[:, None], tag, n_steps, start, 0.0)
 
 
-DRAFTING, PLAIN = ("drafter", 1), (None, 0)
+DRAFTING, PLAIN = Arm("drafter", 1), Arm()
 
 
 @pytest.mark.parametrize("arm", [DRAFTING, PLAIN])

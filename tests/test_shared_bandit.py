@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashspec.bandits import (UCB1, ArmSpec, SharedDepthThompson, StepOutcome,
+from flashspec.bandits import (UCB1, SharedDepthThompson, StepOutcome,
                                ThompsonSampling)
 from flashspec.bandits.shared import depth_counts, expected_accepted
 from flashspec.bandits.sim import draw_chains, env_seeds, make_chain_scenario, simulate_chains
+from flashspec.core import Arm, TreeShape
 from flashspec.errors import FlashSpecError
 
-CHAIN = [ArmSpec("d", g) for g in (1, 2, 3, 4)]
+CHAIN = [Arm("d", g) for g in (1, 2, 3, 4)]
 
 
 def _step(policy: SharedDepthThompson, arm: int, tried: int, accepted: int, **kw) -> None:
@@ -49,14 +50,14 @@ def test_expected_accepted_is_the_sum_of_survival_products():
 
 
 def test_outcomes_are_checked_and_trees_learn_on_their_own():
-    arms = [ArmSpec("d", 2), ArmSpec("d", 3, "t3"), ArmSpec(None, 0)]
+    arms = [Arm("d", 2), Arm("d", tree=TreeShape.parse("3x1x1")), Arm()]
     policy = SharedDepthThompson(3, 0, arms=arms, reward="tps", reward_scale=5.0)
     with pytest.raises(FlashSpecError, match="outcome"):
         policy.update(0, 1.0, 1.0, {"step": 0})
     with pytest.raises(FlashSpecError, match="accepted <= tried"):
         _step(policy, 0, 3, 1)           # more drafts than the γ = 2 arm has
     _step(policy, 1, 3, 3)               # the tree: its own rates, not its drafter's chain
-    assert policy.depth_rates == {"d": [0.5, 0.5, 0.5], "d@t3": [2 / 3, 2 / 3, 2 / 3]}
+    assert policy.depth_rates == {"d": [0.5, 0.5, 0.5], "d@3x1x1": [2 / 3, 2 / 3, 2 / 3]}
     _step(policy, 1, 2, 1, chain=True)   # the tree arm cut to a chain by the planner
     assert policy.depth_rates["d"] == [2 / 3, 1 / 3, 0.5]
     policy.update(2, 3.0, 0.5, {"step": 1})   # the plain step needs no outcome
@@ -67,10 +68,10 @@ def test_outcomes_are_checked_and_trees_learn_on_their_own():
 
 
 def test_unplayed_arm_borrows_cost_from_its_drafters_chains():
-    arms = [ArmSpec("d", g) for g in (1, 2, 3)] + [ArmSpec("e", 3)]
+    arms = [Arm("d", g) for g in (1, 2, 3)] + [Arm("e", 3)]
     policy = SharedDepthThompson(4, 0, arms=arms, reward="tps")
     for arm, cost in [(0, 1.1), (2, 1.3)]:
-        policy.update(arm, 1.0, cost, {"outcome": StepOutcome(np.array([[arms[arm].depth]]),
+        policy.update(arm, 1.0, cost, {"outcome": StepOutcome(np.array([[arms[arm].gamma]]),
                                                               np.array([[0]]))})
     cost = policy.arm_costs()[0]
     assert cost[1] == pytest.approx(1.2)   # on the line through its drafter's γ = 1 and 3
@@ -121,19 +122,19 @@ def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny, planned
     the chosen arm (a tree played as a chain of its drafter included), and refuses the
     resident loop (it reports chunk totals, not each step's accepted drafts)."""
     from flashspec.drafters import ModelDrafter, NgramDrafter
-    from flashspec.engine import Arm, SpecEngine
+    from flashspec.engine import SpecEngine
     from flashspec.planner import WidthPlanner
-    from flashspec.tree import TreeShape
     model, prompts = tiny
     ngram, skip = NgramDrafter(max_ngram=2), ModelDrafter(model, [0], name="skip1")
-    arms = [Arm(ngram, 1), Arm(ngram, 3), Arm.of_tree(ngram, TreeShape.parse("2x1x1")),
-            Arm(skip, 1), Arm(skip, 2), Arm(None, 0)]
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 24).rows
+    arms = [Arm.parse(a) for a in ("ngram@1", "ngram@3", "ngram@2x1x1", "skip1@1", "skip1@2", "ar")]
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 24).rows
     policy = SharedDepthThompson(len(arms), 0, reward="tps", reward_scale=200.0)
-    engine = SpecEngine(model, arms, policy, planner=WidthPlanner() if planned else None)
+    engine = SpecEngine(model, arms, policy, planner=WidthPlanner() if planned else None,
+                        drafters=[ngram, skip])
     rows = engine.generate(prompts, 24).rows
     assert [r.tokens for r in rows] == [r.tokens for r in ar]
     assert policy.t > 0 and policy._reach.sum() > 0
     assert set(policy.depth_rates) == {"ngram", "ngram@2x1x1", "skip1"}
     with pytest.raises(FlashSpecError, match="resident_loop=false"):
-        SpecEngine(model, arms, SharedDepthThompson(len(arms), 0, reward="tps"), resident=True)
+        SpecEngine(model, arms, SharedDepthThompson(len(arms), 0, reward="tps"), resident=True,
+                   drafters=[ngram, skip])

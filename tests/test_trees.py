@@ -10,15 +10,15 @@ from hypothesis import given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from experiments.harness import build_arms
+from flashspec.core import Arm, SamplingParams, TreeDraft, TreeShape
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import branch_tree, device_branches, lookup
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
-from flashspec.tree import TreeDraft, TreeShape, grow_tree, tree_attention
-from flashspec.verify import SamplingParams
+from flashspec.tree import grow_tree, tree_attention
 from test_engine import TEXTS, small_model_dir
 from exactness.tree_harness import static_tree
 from test_exactness_engine import EAGLE
@@ -196,10 +196,10 @@ def test_tree_arms_from_config(four) -> None:
     eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE))
     cfg = OmegaConf.create({"drafters": {}, "arms": [["eagle", 3], ["eagle", "4x2"], ["eagle", "dyn8"]]})
     arms = build_arms(cfg, {"eagle": eagle, "ngram": NgramDrafter()})
-    assert [a.name for a in arms] == ["eagle@3", "eagle@4x2", "eagle@dyn8d6k4"]
+    assert [a.label for a in arms] == ["eagle@3", "eagle@4x2", "eagle@dyn8d6k4"]
     assert arms[1].gamma == 2 and arms[2].reach == TreeShape.parse("dyn8").candidates
     ngram = build_arms(OmegaConf.create({"arms": [["ngram", "3x1x1"]]}), {"ngram": NgramDrafter()})
-    assert [(a.name, a.gamma, a.reach) for a in ngram] == [("ngram@3x1x1", 3, 9)]
+    assert [(a.label, a.gamma, a.reach) for a in ngram] == [("ngram@3x1x1", 3, 9)]
     for spec in ("2x2", "dyn8"):    # an n-gram tree is one continuation per branch
         with pytest.raises(FlashSpecError, match="one continuation per branch"):
             build_arms(OmegaConf.create({"arms": [["ngram", spec]]}), {"ngram": NgramDrafter()})
@@ -267,11 +267,11 @@ def test_tree_greedy_equals_target_only(smol, spec) -> None:
     """fp32 CPU, the trained drafter, a batch of prompts with ragged acceptance, an EOS that
     row 0 reaches mid-stream, and a budget that ends inside accepted runs."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
     eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
     for new, eos_ids in ((40, []), (37, eos)):
-        ref = SpecEngine(model, [Arm(None, 0)], eos_ids=eos_ids).generate(prompts, new).rows
-        out = SpecEngine(model, [Arm.of_tree(eagle, TreeShape.parse(spec))], eos_ids=eos_ids
+        ref = SpecEngine(model, [Arm()], eos_ids=eos_ids).generate(prompts, new).rows
+        out = SpecEngine(model, [Arm("eagle", tree=TreeShape.parse(spec))], drafters=[eagle], eos_ids=eos_ids
                          ).generate(prompts, new).rows
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.n_accepted for r in out) > 0
@@ -285,13 +285,13 @@ def test_resident_tree_equals_reference_loop(smol, spec) -> None:
     eager here) gives the reference loop's tokens, steps, accepted counts and histograms:
     ragged acceptance, an EOS inside accepted runs, a budget that ends inside one."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
     eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
-    arms = [Arm.of_tree(eagle, TreeShape.parse(spec))]
-    ref = SpecEngine(model, arms, eos_ids=eos).generate(prompts, 37).rows
+    arms = [Arm("eagle", tree=TreeShape.parse(spec))]
+    ref = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos).generate(prompts, 37).rows
     assert sum(r.n_accepted for r in ref) > 0
     for chunk in (1, 4):
-        engine = SpecEngine(model, arms, eos_ids=eos, resident=True, chunk=chunk)
+        engine = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos, resident=True, chunk=chunk)
         engine.min_capacity = 256      # the eager steps attend the whole cache: keep it short
         got = engine.generate(prompts, 37).rows
         assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
@@ -304,17 +304,17 @@ def test_ngram_tree_greedy_equals_target_only(smol) -> None:
     inside accepted runs; both loops take the same steps and accept the same counts, and the
     tree accepts more than the n-gram chain of its depth (its other branches are used)."""
     model, tok, prompts, _ = smol
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
     eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
     ngram = NgramDrafter()
-    ref = SpecEngine(model, [Arm(None, 0)], eos_ids=eos).generate(prompts, 37).rows
-    tree = SpecEngine(model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], eos_ids=eos
+    ref = SpecEngine(model, [Arm()], eos_ids=eos).generate(prompts, 37).rows
+    tree = SpecEngine(model, [Arm("ngram", tree=TreeShape.parse("3x1x1x1"))], drafters=[ngram], eos_ids=eos
                       ).generate(prompts, 37).rows
-    chain = SpecEngine(model, [Arm(ngram, 4)], eos_ids=eos).generate(prompts, 37).rows
+    chain = SpecEngine(model, [Arm("ngram", 4)], drafters=[ngram], eos_ids=eos).generate(prompts, 37).rows
     assert [r.tokens for r in tree] == [r.tokens for r in ref] == [r.tokens for r in chain]
     assert sum(r.n_accepted for r in tree) > sum(r.n_accepted for r in chain)
     for chunk in (1, 4):
-        engine = SpecEngine(model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))],
+        engine = SpecEngine(model, [Arm("ngram", tree=TreeShape.parse("3x1x1x1"))], drafters=[ngram],
                             eos_ids=eos, resident=True, chunk=chunk)
         engine.min_capacity = 256
         got = engine.generate(prompts, 37).rows
@@ -328,11 +328,11 @@ def test_tree_drafted_ahead_equals_reference_loop(smol, overlapped, chunk) -> No
     flight), a resident tree arm gives the reference loop's tokens, steps, accepted counts and
     histograms, an EOS inside accepted runs included."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 40).rows
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
     eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
-    arms = [Arm.of_tree(eagle, TreeShape.parse("dyn12"))]
-    ref = SpecEngine(model, arms, eos_ids=eos).generate(prompts, 37).rows
-    engine = SpecEngine(model, arms, eos_ids=eos, resident=True, chunk=chunk)
+    arms = [Arm("eagle", tree=TreeShape.parse("dyn12"))]
+    ref = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos).generate(prompts, 37).rows
+    engine = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos, resident=True, chunk=chunk)
     engine.min_capacity = 256
     got = engine.generate(prompts, 37).rows
     assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
@@ -345,20 +345,20 @@ def test_resident_sampled_and_planned_trees(smol) -> None:
     greedy output stays the target's."""
     from flashspec.planner import WidthPlanner
     model, tok, prompts, eagle = smol
-    arms = [Arm.of_tree(eagle, TreeShape.parse("2x2"))]
+    arms = [Arm("eagle", tree=TreeShape.parse("2x2"))]
     runs = []
     for chunk in (1, 5):
-        engine = SpecEngine(model, arms, params=SamplingParams(temperature=1.0), resident=True,
-                            chunk=chunk, seed=3)
+        engine = SpecEngine(model, arms, drafters=[eagle], params=SamplingParams(temperature=1.0),
+                            resident=True, chunk=chunk, seed=3)
         engine.min_capacity = 256
         runs.append([(r.tokens, r.n_accepted) for r in engine.generate(prompts, 24).rows])
     assert runs[0] == runs[1] and sum(n for _, n in runs[0]) > 0
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts, 24).rows
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 24).rows
     planner = WidthPlanner(explore=1)
-    engine = SpecEngine(model, arms, planner=planner, resident=True, chunk=2)
+    engine = SpecEngine(model, arms, drafters=[eagle], planner=planner, resident=True, chunk=2)
     engine.min_capacity = 256
     assert [r.tokens for r in engine.generate(prompts, 24).rows] == [r.tokens for r in ar]
-    assert planner.tree_seen.get("2x2") and planner.seen.get(0), "tree and plain steps probed"
+    assert planner.tree_seen.get(arms[0]) and planner.seen.get(0), "tree and plain steps probed"
 
 
 def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:
@@ -370,19 +370,20 @@ def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:
     planner = WidthPlanner(explore=1, replan=1)
     planner.reset(2)
     live = [5, 5]
+    tree = Arm("eagle", tree=TreeShape.parse("dyn4d2"))          # depth 2
     for k in (0, 1, 2):                                          # the chain's probe widths
-        assert planner.plan_tree("dyn4", 2, live) == k
+        assert planner.plan_tree(tree, live) == k
         planner.observe(k, 0.010 + 0.001 * k, [k, k], [k, k], [True, True])   # all accepted
-    assert planner.plan_tree("dyn4", 2, live) is None            # then the tree's
-    planner.observe_tree("dyn4", 0.014, [2, 2], [True, True])    # 3 tokens per 14 ms
+    assert planner.plan_tree(tree, live) is None            # then the tree's
+    planner.observe_tree(tree, 0.014, [2, 2], [True, True])    # 3 tokens per 14 ms
     # beats a plain step (1 per 10 ms), not the chain at γ = 2 (α ≈ 0.9: ~2.7 tokens per 12 ms)
-    assert planner.plan_tree("dyn4", 2, live) == 2
+    assert planner.plan_tree(tree, live) == 2
     for _ in range(5):
-        planner.observe_tree("dyn4", 0.010, [4, 4], [True, True])  # now ~5 tokens per 10 ms
-    assert planner.plan_tree("dyn4", 2, live) is None
+        planner.observe_tree(tree, 0.010, [4, 4], [True, True])  # now ~5 tokens per 10 ms
+    assert planner.plan_tree(tree, live) is None
     for _ in range(20):
-        planner.observe_tree("dyn4", 0.030, [0, 0], [True, True])  # slower, nothing accepted
-    plays = [planner.plan_tree("dyn4", 2, live) for _ in range(2 * planner.reprobe + 2)]
+        planner.observe_tree(tree, 0.030, [0, 0], [True, True])  # slower, nothing accepted
+    plays = [planner.plan_tree(tree, live) for _ in range(2 * planner.reprobe + 2)]
     assert plays.count(None) == 2 and plays.index(None) == planner.reprobe, \
         "a losing tree is re-probed once after `reprobe` decisions against it"
     assert {k for k in plays if k is not None} == {2}, "the chain, not a plain step, stands in"
@@ -391,8 +392,8 @@ def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:
 def test_tree_arm_with_planner_keeps_greedy_output(smol) -> None:
     from flashspec.planner import WidthPlanner
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm(None, 0)]).generate(prompts[:2], 24).rows
-    out = SpecEngine(model, [Arm.of_tree(eagle, TreeShape.parse("dyn4d4k2"))],
+    ar = SpecEngine(model, [Arm()]).generate(prompts[:2], 24).rows
+    out = SpecEngine(model, [Arm("eagle", tree=TreeShape.parse("dyn4d4k2"))], drafters=[eagle],
                      planner=WidthPlanner(explore=1)).generate(prompts[:2], 24).rows
     assert [r.tokens for r in out] == [r.tokens for r in ar]
     assert set(a for r in out for a in r.arms) == {0}

@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from exactness.tree_harness import static_tree
-from flashspec.tree import TreeDraft
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.core import SamplingParams, TreeDraft
+from flashspec.verify import get_backend
 from flashspec.verify import tree as reference_tree
 from flashspec.verify import triton_tree
 

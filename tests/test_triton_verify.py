@@ -18,8 +18,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from flashspec.core import SamplingParams
 from flashspec.options import KernelOptions
-from flashspec.verify import SamplingParams, get_backend, reference, rng
+from flashspec.verify import get_backend, reference, rng
 from flashspec.verify import triton_backend as tb
 from flashspec.verify import triton_host
 from flashspec.verify import triton_kernels as K

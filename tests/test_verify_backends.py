@@ -15,12 +15,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the tests/exactness helpers
 
 from exactness.cases import ArmSpec, Case, run_case  # noqa: E402
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import NgramDrafter  # noqa: E402
-from flashspec.engine import Arm, SpecEngine  # noqa: E402
+from flashspec.engine import SpecEngine
 from flashspec.models.llama import LlamaLM, LlamaShape  # noqa: E402
 from flashspec.options import KernelOptions  # noqa: E402
-from flashspec.verify import (Backend, SamplingParams, backend_names, get_backend,  # noqa: E402
-                              reference, register_backend)
+from flashspec.verify import Backend, backend_names, get_backend, reference, register_backend
 
 CALLS: list[int] = []
 
@@ -78,8 +78,8 @@ def test_engine_takes_a_backend_object():
     params = SamplingParams(1.0)
 
     def run(backend):
-        engine = SpecEngine(model, [Arm(NgramDrafter(), 3)], params=params, backend=backend,
-                            seed=3)
+        engine = SpecEngine(model, [Arm("ngram", 3)], params=params, backend=backend,
+                            seed=3, drafters=[NgramDrafter()])
         return [r.tokens for r in engine.generate(prompts, 12).rows]
 
     CALLS.clear()

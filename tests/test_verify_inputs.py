@@ -15,11 +15,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # before triton is imported 
 import pytest
 import torch
 
-from flashspec.engine import Arm, SpecEngine
+from flashspec.core import Arm, SamplingParams, TreeDraft
+from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM, LlamaShape
-from flashspec.tree import TreeDraft
-from flashspec.verify import SamplingParams, get_backend, verify, verify_tree
+from flashspec.verify import get_backend, verify, verify_tree
 
 BACKENDS = ["torch", "triton"]
 GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0)
@@ -218,7 +218,7 @@ def test_tree_depth_and_draft_type():
     x, draft = tree()
     with pytest.raises(FlashSpecError, match=r"depth must be an integer >= the deepest node \(2\), got 1"):
         verify_tree(x, draft, SAMPLED, depth=1)
-    with pytest.raises(TypeError, match="draft must be a flashspec.tree.TreeDraft, got tuple"):
+    with pytest.raises(TypeError, match="draft must be a flashspec.core.TreeDraft, got tuple"):
         verify_tree(x, (draft.tokens, draft.parents), SAMPLED)
     with pytest.raises(TypeError, match="draft.parents must have an integer dtype"):
         verify_tree(x, TreeDraft(draft.tokens, draft.parents.float(), draft.depth), SAMPLED)
@@ -231,5 +231,5 @@ def test_engine_params_must_be_sampling_params():
     model = LlamaLM(shape, 1.0 / 10000.0 ** (torch.arange(0, 4, 2).float() / 4))
     with pytest.raises(TypeError, match=r"params must be flashspec.verify.SamplingParams, got "
                                         r"dict.*SamplingParams\(\*\*d\)"):
-        SpecEngine(model, [Arm(None, 0)], params={"temperature": 0.7})
-    SpecEngine(model, [Arm(None, 0)], params=SamplingParams(0.7))          # the right type
+        SpecEngine(model, [Arm()], params={"temperature": 0.7})
+    SpecEngine(model, [Arm()], params=SamplingParams(0.7))          # the right type

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 if not torch.cuda.is_available():                          # before triton kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from flashspec.verify import SamplingParams, get_backend, rng, warp_logprobs  # noqa: E402
+from flashspec.core import SamplingParams  # noqa: E402
+from flashspec.verify import get_backend, rng, warp_logprobs  # noqa: E402
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     find_spec("flashspec.verify.triton_backend") is None,

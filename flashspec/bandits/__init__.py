@@ -7,7 +7,7 @@ speculative step the engine calls ``arm = policy.select({"step": s, "domain": d,
 ``"outcome"`` in ``outcome_keys`` also gets the finished step's drafts tried and accepted per
 row there (:class:`StepOutcome`), and every policy is told what its arms are (``bind_arms``).
 """
-from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
+from flashspec.bandits.base import Policy, StepOutcome
 from flashspec.bandits.contextual import PerDomain
 from flashspec.bandits.exp3 import EXP3
 from flashspec.bandits.index import UCB1, EpsilonGreedy, FixedArm, Oracle, SlidingWindowUCB
@@ -18,4 +18,4 @@ from flashspec.bandits.thompson import DiscountedThompson, ThompsonSampling
 
 __all__ = ["Policy", "FixedArm", "EpsilonGreedy", "UCB1", "ThompsonSampling", "SlidingWindowUCB",
            "DiscountedThompson", "RateThompson", "SharedDepthThompson", "EXP3", "Oracle",
-           "PerDomain", "ArmSpec", "StepOutcome", "reward", "REWARD_KINDS"]
+           "PerDomain", "StepOutcome", "reward", "REWARD_KINDS"]

@@ -17,20 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from flashspec.bandits.rewards import REWARD_KINDS
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 
 Context = dict[str, Any] | None
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """What an arm is, as far as a policy may know: its drafter's name (None: no speculation),
-    its depth (γ, or a draft tree's depth: the most drafts one step can accept) and the tree
-    shape's label (None: a chain). Arms of one drafter share what its chains reveal."""
-
-    drafter: str | None
-    depth: int
-    tree: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +67,7 @@ class Policy:
     """K-armed bandit policy over ``n_envs`` independent replicates (one per seed).
 
     Args:
-        n_arms: number of arms K (the engine maps an arm index to a (drafter, γ) pair).
+        n_arms: number of arms K (the engine maps an arm index to a :class:`~flashspec.core.Arm`).
         seed: an int (one replicate, the engine's case) or a sequence of ints (one
             replicate per seed, for vectorised simulation).
         reward: what the engine feeds back after each step (:data:`REWARD_KINDS`): ``alpha``
@@ -120,7 +110,7 @@ class Policy:
         self._counts = np.zeros(shape)
         self._sums = np.zeros(shape)
         self._cost_sums = np.zeros(shape)
-        self.arm_specs: list[ArmSpec] | None = None   # what each arm is, once bound
+        self.arm_specs: list[Arm] | None = None   # what each arm is, once bound
 
     @property
     def context_keys(self) -> tuple[str, ...]:
@@ -133,7 +123,7 @@ class Policy:
         :class:`StepOutcome`) this policy reads; the engine builds them only when asked."""
         return ()
 
-    def bind_arms(self, arms: Sequence[ArmSpec]) -> None:
+    def bind_arms(self, arms: Sequence[Arm]) -> None:
         """Told once, before any step, what each arm is (the engine calls it). A policy that
         treats arms as unrelated (every one here but :mod:`flashspec.bandits.shared`) only
         checks the count."""

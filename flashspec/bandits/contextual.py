@@ -5,8 +5,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from flashspec.bandits.base import ArmSpec, Context, Policy
+from flashspec.bandits.base import Context, Policy
 from flashspec.bandits.thompson import ThompsonSampling
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 from flashspec.seeds import derive_seed
 
@@ -44,7 +45,7 @@ class PerDomain(Policy):
     def outcome_keys(self) -> tuple[str, ...]:
         return self._policy(None).outcome_keys
 
-    def bind_arms(self, arms: Sequence[ArmSpec]) -> None:
+    def bind_arms(self, arms: Sequence[Arm]) -> None:
         """Every inner policy, present and future, is told what the arms are."""
         super().bind_arms(arms)
         for p in self.policies.values():

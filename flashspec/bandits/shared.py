@@ -18,11 +18,12 @@ per-arm rule of :class:`~flashspec.bandits.ThompsonSampling`.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from flashspec.bandits.base import ArmSpec, Context, Policy, StepOutcome
+from flashspec.bandits.base import Context, Policy, StepOutcome
+from flashspec.core import Arm, TreeShape
 from flashspec.errors import FlashSpecError
 
 SHARED_REWARDS = ("alpha", "tps")
@@ -65,14 +66,15 @@ class SharedDepthThompson(Policy):
     :attr:`outcome_keys`): the drafts each row verified and accepted in the finished step. For
     a drafter's arm the reward value itself is not used: the outcome carries more (which depth
     failed), and the reward follows from it and the cost (:func:`~flashspec.bandits.reward`).
-    ``arms``: what each arm is (:class:`ArmSpec`, or mappings with its fields); the engine
+    ``arms``: what each arm is (:class:`~flashspec.core.Arm`, or its label or config pair, as
+    :meth:`~flashspec.core.Arm.parse` reads them: ``d@3``, ``[d, 3]``); the engine
     supplies them through :meth:`bind_arms`.
     """
 
     name = "shared"
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0,
-                 arms: Sequence[ArmSpec | Mapping[str, Any]] | None = None,
+                 arms: Sequence[Arm | str | Sequence[Any]] | None = None,
                  prior_alpha: float = 1.0, prior_beta: float = 1.0, **kw: Any) -> None:
         super().__init__(n_arms, seed, **kw)
         if self.reward_kind not in SHARED_REWARDS:
@@ -84,7 +86,7 @@ class SharedDepthThompson(Policy):
         self.prior_alpha, self.prior_beta = float(prior_alpha), float(prior_beta)
         shape = (self.n_envs, self.n_arms)
         self._succ, self._fail = np.zeros(shape), np.zeros(shape)   # per-arm rule's trials
-        self.groups: list[tuple[str, str | None]] = []   # (drafter, tree label or None: chains)
+        self.groups: list[tuple[str, TreeShape | None]] = []   # (drafter, tree or None: chains)
         self.group_of = np.full(self.n_arms, -1)          # -1: no group (plain step or unbound)
         self.depth_of = np.zeros(self.n_arms, dtype=np.int64)
         self.plain = np.zeros(self.n_arms, dtype=bool)    # the target-only step: one token
@@ -92,13 +94,13 @@ class SharedDepthThompson(Policy):
         self._reach = np.zeros((self.n_envs, 0, 0))
         self._won = np.zeros((self.n_envs, 0, 0))
         if arms is not None:
-            self.bind_arms([a if isinstance(a, ArmSpec) else ArmSpec(**a) for a in arms])
+            self.bind_arms([Arm.parse(a) for a in arms])
 
     @property
     def outcome_keys(self) -> tuple[str, ...]:
         return ("outcome",)
 
-    def bind_arms(self, arms: Sequence[ArmSpec]) -> None:
+    def bind_arms(self, arms: Sequence[Arm]) -> None:
         """Groups arms by what they share; rebinding the same arms (a new engine over the
         same policy) keeps what was learned, other arms after a step are refused."""
         if self.arm_specs is not None and list(arms) == self.arm_specs:
@@ -106,24 +108,21 @@ class SharedDepthThompson(Policy):
         if self.t:
             raise FlashSpecError(f"bandit={self.name}: arms were rebound after {self.t} steps")
         super().bind_arms(arms)
-        depth: dict[tuple[str, str | None], int] = {}
+        depth: dict[tuple[str, TreeShape | None], int] = {}
         for a in arms:
             if a.drafter is None:
                 continue
-            if a.depth < 1:
-                raise FlashSpecError(f"bandit={self.name}: arm {a} of drafter {a.drafter!r} "
-                                     "needs depth >= 1")
             chain = (a.drafter, None)   # a tree arm may be played as a chain of its drafter
-            depth[chain] = max(depth.get(chain, 0), a.depth)
+            depth[chain] = max(depth.get(chain, 0), a.gamma)
             if a.tree is not None:
-                depth[(a.drafter, a.tree)] = a.depth
+                depth[(a.drafter, a.tree)] = a.gamma
         self.groups = list(depth)
         self._chain_group = {d: g for g, (d, tree) in enumerate(self.groups) if tree is None}
         index = {key: g for g, key in enumerate(self.groups)}
         for i, a in enumerate(arms):
             self.plain[i] = a.drafter is None
             self.group_of[i] = -1 if a.drafter is None else index[(a.drafter, a.tree)]
-            self.depth_of[i] = 0 if a.drafter is None else a.depth
+            self.depth_of[i] = a.gamma
         width = max(depth.values(), default=0)
         self.group_depth = np.array([depth[k] for k in self.groups], dtype=np.int64)
         self._reach = np.zeros((self.n_envs, len(self.groups), width))
@@ -186,7 +185,7 @@ class SharedDepthThompson(Policy):
         for i, spec in enumerate(specs):
             if played[:, i].all():
                 continue
-            peers = [j for j, s in enumerate(specs) if (s.depth, s.tree) == (spec.depth, spec.tree)]
+            peers = [j for j, s in enumerate(specs) if (s.gamma, s.tree) == (spec.gamma, spec.tree)]
             n = self._counts[:, peers].sum(axis=1)
             like = np.divide(self._cost_sums[:, peers].sum(axis=1), n,
                              out=np.full(self.n_envs, np.nan), where=n > 0)
@@ -196,9 +195,9 @@ class SharedDepthThompson(Policy):
             cost[:, i] = np.where(played[:, i], own[:, i], guess)
         return cost
 
-    def _cost_line(self, spec: ArmSpec, own: np.ndarray, played: np.ndarray) -> np.ndarray:
+    def _cost_line(self, spec: Arm, own: np.ndarray, played: np.ndarray) -> np.ndarray:
         """``[n_envs]`` least-squares line of cost against γ over the played chains of
-        ``spec``'s drafter, read at ``spec.depth`` (NaN with fewer than two depths played)."""
+        ``spec``'s drafter, read at ``spec.gamma`` (NaN with fewer than two depths played)."""
         sib = [j for j, s in enumerate(self.arm_specs)
                if s.drafter == spec.drafter and s.tree is None]
         x = self.depth_of[sib].astype(float)[None, :]
@@ -210,7 +209,7 @@ class SharedDepthThompson(Policy):
         ok = spread > 1e-9
         slope = np.divide(n * sxy - sx * sy, spread, out=np.zeros_like(n), where=ok)
         icept = np.divide(sy - slope * sx, n, out=np.zeros_like(n), where=ok)
-        return np.where(ok, np.maximum(icept + slope * spec.depth, 1e-12), np.nan)
+        return np.where(ok, np.maximum(icept + slope * spec.gamma, 1e-12), np.nan)
 
     # ---------------------------------------------------------------- learning
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
@@ -252,8 +251,8 @@ class SharedDepthThompson(Policy):
     # ---------------------------------------------------------------- logging
     @property
     def depth_rates(self) -> dict[str, list]:
-        """Posterior mean α per depth of each drafter (``name``) and tree (``name@label``)."""
+        """Posterior mean α per depth of each drafter (``name``) and tree (its arm's label)."""
         mean = (self.prior_alpha + self._won) / (self.prior_alpha + self.prior_beta + self._reach)
         mean = self._squeeze(mean)
-        return {d if t is None else f"{d}@{t}": mean[..., g, :self.group_depth[g]].tolist()
+        return {d if t is None else Arm(d, tree=t).label: mean[..., g, :self.group_depth[g]].tolist()
                 for g, (d, t) in enumerate(self.groups)}

@@ -14,9 +14,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from flashspec.bandits.base import ArmSpec, Policy, StepOutcome
+from flashspec.bandits.base import Policy, StepOutcome
 from flashspec.bandits.rewards import reward
 from flashspec.bandits.shared import expected_accepted
+from flashspec.core import Arm
 from flashspec.errors import FlashSpecError
 
 REWARD_DISTS = ("bernoulli", "beta")
@@ -143,7 +144,7 @@ class ChainScenario:
     ``spec`` read like :class:`Scenario`'s, so the bandit_sim records treat both alike."""
 
     name: str
-    arms: list[ArmSpec]
+    arms: list[Arm]
     alphas: dict[str, np.ndarray]
     costs: np.ndarray        # [K] step seconds of each arm
     reward: str
@@ -163,8 +164,8 @@ class ChainScenario:
     @property
     def arm_means(self) -> np.ndarray:
         """``[K]`` expected reward of each arm."""
-        exp_n = np.array([expected_accepted(self.alphas[a.drafter])[a.depth] for a in self.arms])
-        depth = np.array([a.depth for a in self.arms], dtype=float)
+        exp_n = np.array([expected_accepted(self.alphas[a.drafter])[a.gamma] for a in self.arms])
+        depth = np.array([a.gamma for a in self.arms], dtype=float)
         return exp_n / depth if self.reward == "alpha" else (1.0 + exp_n) / self.costs
 
     @property
@@ -172,7 +173,7 @@ class ChainScenario:
         """The largest reward a step can earn (a policy's ``reward_scale``)."""
         if self.reward == "alpha":
             return 1.0
-        return float(max((1.0 + a.depth) / c for a, c in zip(self.arms, self.costs)))
+        return float(max((1.0 + a.gamma) / c for a, c in zip(self.arms, self.costs)))
 
     @property
     def means(self) -> np.ndarray:
@@ -188,18 +189,18 @@ class ChainScenario:
 
 
 def make_chain_scenario(name: str, horizon: int, alphas: Mapping[str, Sequence[float]],
-                        arms: Sequence[tuple[str, int] | str], costs: Sequence[float] | None = None,
+                        arms: Sequence[Arm | str | Sequence[Any]], costs: Sequence[float] | None = None,
                         reward_kind: str = "tps") -> ChainScenario:
-    """``arms``: (drafter, γ) pairs, or their names ``drafter@γ``, over the drafters of
+    """``arms``: chain arms (:class:`~flashspec.core.Arm`, their labels ``drafter@γ`` or
+    ``[drafter, γ]`` pairs) over the drafters of
     ``alphas`` (per-depth rates, at least γ of them); ``costs``: step seconds per arm
     (default 1: only acceptance matters); ``reward_kind``: ``tps`` or ``alpha``."""
     table = {d: np.asarray(a, dtype=float) for d, a in alphas.items()}
-    pairs = [a.rsplit("@", 1) if isinstance(a, str) else a for a in arms]
-    specs = [ArmSpec(str(d), int(g)) for d, g in pairs]
+    specs = [Arm.parse(a) for a in arms]
     for a in specs:
-        if a.drafter not in table or not 1 <= a.depth <= len(table[a.drafter]):
-            raise FlashSpecError(f"chain scenario {name}: arm {a.drafter}@{a.depth} needs a "
-                                 f"drafter of {list(table)} with >= {a.depth} per-depth rates")
+        if a.tree is not None or a.drafter not in table or a.gamma > len(table[a.drafter]):
+            raise FlashSpecError(f"chain scenario {name}: arm {a} needs a chain of a drafter "
+                                 f"of {list(table)} with >= {a.gamma} per-depth rates")
     if any(v.min() < 0 or v.max() > 1 for v in table.values()):
         raise FlashSpecError(f"chain scenario {name}: per-depth rates must lie in [0, 1]")
     if reward_kind not in ("alpha", "tps"):
@@ -207,7 +208,7 @@ def make_chain_scenario(name: str, horizon: int, alphas: Mapping[str, Sequence[f
     cost = np.ones(len(specs)) if costs is None else np.asarray(costs, dtype=float)
     if cost.shape != (len(specs),) or not (cost > 0).all():
         raise FlashSpecError(f"chain scenario {name}: need {len(specs)} positive arm costs")
-    spec = {"alphas": _plain(alphas), "arms": [f"{a.drafter}@{a.depth}" for a in specs],
+    spec = {"alphas": _plain(alphas), "arms": [a.label for a in specs],
             "costs": cost.tolist(), "reward": reward_kind, "change_points": [],
             "horizon": int(horizon), "means": _plain(None)}
     scn = ChainScenario(name, specs, table, cost, reward_kind, int(horizon), spec)
@@ -235,7 +236,7 @@ def simulate_chains(policy: Policy, scn: ChainScenario, runs: np.ndarray) -> Sim
                              f"{policy.n_arms} arms, runs are {runs.shape}, {scn.n_arms} arms")
     policy.bind_arms(scn.arms)
     col = np.array([scn.drafters.index(a.drafter) for a in scn.arms])
-    depth = np.array([a.depth for a in scn.arms])
+    depth = np.array([a.gamma for a in scn.arms])
     arms = np.empty((n, scn.horizon), dtype=np.int64)
     for t in range(scn.horizon):
         ctx = scn.context(t)

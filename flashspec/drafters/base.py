@@ -7,12 +7,11 @@ from typing import Any, Sequence
 
 import torch
 
+from flashspec.core import SamplingParams, TreeDraft, TreeShape
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphCache, bucketed
 from flashspec.models.llama import LlamaLM
 from flashspec.options import DEFAULT, KernelOptions
-from flashspec.tree import TreeDraft, TreeShape
-from flashspec.verify.sampling import SamplingParams
 
 
 @dataclass

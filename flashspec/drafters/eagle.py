@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from flashspec.core import SamplingParams, TreeAttention, TreeDraft, TreeShape
 from flashspec.drafters.base import (DecodeState, DraftContext, Drafter, GraphedDrafting,
                                      resident_window)
 from flashspec.drafters.eagle_checkpoint import load_eagle
@@ -28,10 +29,10 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice
 from flashspec.models.loading import resolve_dtype
 from flashspec.paths import repo_path
-from flashspec.tree import TreeAttention, TreeDraft, TreeShape, grow_tree
+from flashspec.tree import grow_tree
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.matmul import linear
-from flashspec.verify.sampling import SamplingParams, sample
+from flashspec.verify.sampling import sample
 
 
 class CastHead(nn.Module):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
+from flashspec.core import TreeAttention
 from flashspec.errors import FlashSpecError
-from flashspec.tree import TreeAttention
 from flashspec.models.llama import MASKED_SDPA, Block, KVCache, Linear, LlamaShape, RMSNorm
 
 

@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from flashspec.core import SamplingParams
 from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice, load_head
@@ -13,7 +14,7 @@ from flashspec.models import load_model
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.models.loading import source_config
 from flashspec.paths import repo_path
-from flashspec.verify.sampling import SamplingParams, sample
+from flashspec.verify.sampling import sample
 
 
 class ModelDrafter(GraphedDrafting, Drafter):

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from flashspec.core import SamplingParams, TreeDraft, TreeShape
 from flashspec.drafters.base import DecodeState, Drafter
 from flashspec.errors import FlashSpecError
-from flashspec.tree import TreeDraft, TreeShape
-from flashspec.verify.sampling import SamplingParams
 
 
 def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:

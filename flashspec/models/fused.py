@@ -39,10 +39,10 @@ import triton.language as tl
 from torch import nn
 from triton.language.extra import libdevice
 
+from flashspec.core import TreeAttention
 from flashspec.matmul import linear
 from flashspec.models.llama import LlamaLM, Linear
 from flashspec.options import interpreted
-from flashspec.tree import TreeAttention
 
 MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
 AR_BLOCK_M = 16     # query rows per attention program of a one-token (AR) step
@@ -180,7 +180,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o
 
     TREE (program (b * HKV + kv head, node t * HB + head block)): one node, its query heads in
     rows 0 .. G - 1 (HB blocks of BLOCK_M heads when G > BLOCK_M), as an AR step lays out its
-    one token. Row (b, t) of the path table path_ptr [B, n, PW] (:func:`flashspec.tree.path_table`)
+    one token. Row (b, t) of the path table path_ptr [B, n, PW] (:func:`flashspec.core.path_table`)
     holds the node's path length k, then the ids of its path, root first (node j sits at cache
     slot base + j, base = base_ptr[b]). The node attends the committed prefix (slots below
     base) and then its path: key lane s reads slot s below base and the slot of the path's
@@ -247,7 +247,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, path_ptr, base_ptr, o
 
 @triton.jit
 def _tree_path_kernel(bits_ptr, path_ptr, NW: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Row r of the path table (:func:`flashspec.tree.path_table`) from the NW-word ancestor mask
+    """Row r of the path table (:func:`flashspec.core.path_table`) from the NW-word ancestor mask
     bits_ptr[r]: the count of set bits, then the id of the k-th set bit at entry k."""
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_W)
@@ -359,7 +359,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, n, H, D] (contiguous) over the cache [B, H_kv, capacity, D]:
     a query at position p sees slots 0..p of its own row; with ``tree``
-    (:class:`flashspec.tree.TreeAttention`) a node sees the committed prefix, its ancestors
+    (:class:`flashspec.core.TreeAttention`) a node sees the committed prefix, its ancestors
     and itself, in the order and blocks of the AR step at its position (so it rounds as that
     step does). Returns [B, n, H, D]. ``block_m`` (query rows of a chain step), ``block_n`` (key
     slots) and ``warps`` per program: the launch geometry; a tree step takes the AR step's, which
@@ -396,7 +396,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def tree_path(tree: TreeAttention) -> torch.Tensor:
-    """``tree.path`` (:func:`flashspec.tree.path_table`) from one launch of
+    """``tree.path`` (:func:`flashspec.core.path_table`) from one launch of
     :func:`_tree_path_kernel`, kept on ``tree`` so every layer of the step reads the same table:
     decoding the bitmask once per step instead of in every attention program."""
     table = tree.__dict__.get("path")

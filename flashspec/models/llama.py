@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashspec.core import TreeAttention
 from flashspec.matmul import linear
-from flashspec.tree import TreeAttention
 
 
 @dataclass
@@ -230,7 +230,7 @@ class LlamaLM(nn.Module):
                        tree: TreeAttention | None = None) -> torch.Tensor:
         """Hidden states [B, n, d] after the final norm, running ``layers`` (default: all).
 
-        ``tree`` (:class:`flashspec.tree.TreeAttention`): the tokens are draft-tree nodes
+        ``tree`` (:class:`flashspec.core.TreeAttention`): the tokens are draft-tree nodes
         (:mod:`flashspec.tree`), at RoPE ``positions`` but written to their own slots and
         attending their ancestors and the committed prefix."""
         x = self.embed_tokens(tokens)

@@ -240,9 +240,10 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
              cache_root: Path | None = None, tag: str = "") -> tuple[list[Sequence_], dict[str, Any]]:
     """Sampled continuations of every (prompt, sample, turn), batched through the engine, and
     what was generated (synthetic prompt provenance, wall time, whether the budget cut it)."""
-    from flashspec.engine import Arm, SpecEngine
+    from flashspec.core import Arm
+    from flashspec.engine import SpecEngine
     from flashspec.training.prompts import synth_prompts
-    from flashspec.verify.sampling import SamplingParams
+    from flashspec.core import SamplingParams
 
     t0 = time.perf_counter()
     synthetic: dict[str, Any] = {}
@@ -256,7 +257,7 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
     prompts = train_prompts(spec, synth)
     params = SamplingParams(spec.temperature, spec.top_k, spec.top_p)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    engine = SpecEngine(target, [Arm(None, 0)], params=params, seed=spec.seed, eos_ids=eos,
+    engine = SpecEngine(target, [Arm()], params=params, seed=spec.seed, eos_ids=eos,
                         **({"graphs": True} if spec.engine_graphs else {}))
     groups = job_groups(prompts, spec, GROUP_BATCHES * spec.batch_size)
     first = {p.id: first_turn_ids(tokenizer, p) for p in prompts}

@@ -291,10 +291,11 @@ def write_requests(target, tokenizer, texts: Sequence[str], seed: int, batch_siz
                    progress: bool = True, max_new_tokens: int = 80) -> list[str]:
     """The target's raw continuation of each few-shot text (no chat template); one that ends
     in EOS gets the list's next-entry marker, so it counts as finished."""
-    from flashspec.engine import Arm, SpecEngine
-    from flashspec.verify.sampling import SamplingParams
+    from flashspec.core import Arm
+    from flashspec.engine import SpecEngine
+    from flashspec.core import SamplingParams
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    engine = SpecEngine(target, [Arm(None, 0)], params=SamplingParams(*REQUEST_SAMPLING),
+    engine = SpecEngine(target, [Arm()], params=SamplingParams(*REQUEST_SAMPLING),
                         seed=seed + 7919, eos_ids=eos)
     ids = [tokenizer(text)["input_ids"] for text in texts]
     out: list[str] = []

@@ -432,12 +432,13 @@ def eval_prompts(tokenizer, per_dataset: int, datasets: Sequence[str] = ("humane
 def greedy_tau(target: LlamaLM, module: EagleModule, head: nn.Module | None, evalset: EvalSet,
                gamma: int, new_tokens: int, eos: Sequence[int]) -> dict[str, float]:
     """τ (tokens per target forward) of greedy speculative decoding per dataset, and 'mean'."""
-    from flashspec.engine import Arm, SpecEngine
+    from flashspec.core import Arm
+    from flashspec.engine import SpecEngine
     if next(module.parameters()).dtype != target.dtype:
         module = copy.deepcopy(module).to(target.dtype)
         head = copy.deepcopy(head).to(target.dtype) if head is not None else None
     drafter = EagleDrafter(target, module, head)
-    engine = SpecEngine(target, [Arm(drafter, gamma)], eos_ids=eos)
+    engine = SpecEngine(target, [Arm(drafter.name, gamma)], eos_ids=eos, drafters=[drafter])
     out = {}
     for name, prompts in evalset.prompts.items():
         if prompts:

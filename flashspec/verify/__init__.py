@@ -8,18 +8,16 @@ logits; on CUDA tensors that reads the device, a host synchronisation); a backen
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+# SamplingParams is re-exported here: `from flashspec.verify import SamplingParams` is the README's
+# import path (its one definition is flashspec.core's)
+from flashspec.core import SamplingParams, TreeDraft
 from flashspec.options import KernelOptions
 from flashspec.verify.api import Backend, VerifyFn
 from flashspec.verify.backends import backend_names, get_backend, register_backend
 from flashspec.verify.checks import check_verify, check_verify_tree
-from flashspec.verify.sampling import SamplingParams, sample, warp_logprobs
-
-if TYPE_CHECKING:        # flashspec.tree imports this package (its sampling warps)
-    from flashspec.tree import TreeDraft
+from flashspec.verify.sampling import sample, warp_logprobs
 
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,

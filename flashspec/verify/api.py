@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from flashspec.verify.sampling import SamplingParams
+from flashspec.core import SamplingParams
 
 VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

@@ -14,15 +14,12 @@ metadata only, no device read).
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING
 
 import torch
 
+from flashspec.core import T_MIN, SamplingParams, TreeDraft
 from flashspec.errors import FlashSpecError
-from flashspec.verify.sampling import T_MIN, SamplingParams, check_finite
-
-if TYPE_CHECKING:        # flashspec.tree imports this package (its sampling warps)
-    from flashspec.tree import TreeDraft
+from flashspec.verify.sampling import check_finite
 
 
 def check_shapes(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -81,10 +78,9 @@ def check_verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: Sam
     """Everything :func:`flashspec.verify.verify_tree` is handed (reads the tensors): also the
     tree itself (node 0 the root, each other node's parent an earlier node, depths counting
     from the root) and ``depth`` (at least the deepest node)."""
-    from flashspec.tree import TreeDraft
     _tensor(target_logits, "target_logits", floating=True)
     if not isinstance(draft, TreeDraft):
-        raise TypeError(f"draft must be a flashspec.tree.TreeDraft, got {type(draft).__name__}")
+        raise TypeError(f"draft must be a flashspec.core.TreeDraft, got {type(draft).__name__}")
     for name in ("tokens", "parents", "depth"):
         _tensor(getattr(draft, name), f"draft.{name}", floating=False)
     if draft.logits is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.verify import rng
-from flashspec.verify.sampling import SamplingParams, check_finite, warp_logprobs
+from flashspec.verify.sampling import check_finite, warp_logprobs
 
 NEG_INF = float("-inf")
 RACE_BLOCK = 1024        # tokens per block of the race (triton_kernels.RBLK)

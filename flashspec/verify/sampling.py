@@ -1,4 +1,4 @@
-"""Sampling parameters and the logit warps shared by drafters and verifiers.
+"""The logit warps and draws shared by drafters and verifiers.
 
 Order is fixed everywhere: temperature on the raw logits, then top-k, then top-p, then
 log-softmax. A drafter's q and the verifier's p go through this one function, so the two
@@ -6,49 +6,9 @@ sides can never disagree about the warp.
 """
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass
-
 import torch
 
-from flashspec.errors import FlashSpecError
-
-
-# Smallest non-zero temperature. The warp divides float32 logits by T (both the torch path and
-# the Triton kernels, whatever the model dtype: bf16/fp16 logits are upcast first); below ~1e-36
-# T itself is subnormal and logits/T overflows to inf, turning softmax into NaN. With T >= 1e-4 a
-# logit as large as 1e4 becomes 1e8 (float32 max 3.4e38): always finite. Distributions at
-# T < 1e-4 are one-hot in all but exact ties anyway, so smaller values are refused: use 0.
-T_MIN = 1e-4
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those warps."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if not _real(t) or not (t == 0 or T_MIN <= t < math.inf):
-            raise FlashSpecError(f"temperature must be 0 (greedy) or a finite number >= {T_MIN}, "
-                                 f"got {t!r}; use 0 for greedy decoding")
-        if not _real(p) or not 0 < p <= 1:
-            raise FlashSpecError(f"top_p must be in (0, 1], got {p!r}; use 1.0 to disable")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-            raise FlashSpecError(f"top_k must be an integer >= 0, got {k!r}; use 0 to disable")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _real(x: object) -> bool:
-    """A real number, not a bool (True would pass as 1) and not NaN."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+from flashspec.core import SamplingParams
 
 
 def check_finite(logits: torch.Tensor, what: str) -> None:
@@ -93,10 +53,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     stream = row * 64 + step), argmax of x * (1/T) - log(-log u) over the top-k/top-p masked
     logits x, instead of ``generator``: no torch RNG state, so a CUDA graph can replay it with
     a new seed. On a GPU the argmax and, without top-k/top-p, the whole draw run as the Triton
-    kernels of :mod:`flashspec.argmax` (the same bits)."""
+    kernels of :mod:`flashspec.verify.argmax` (the same bits)."""
     if params.greedy:
         if logits.is_cuda:
-            from flashspec.argmax import row_argmax    # triton only on a GPU
+            from flashspec.verify.argmax import row_argmax    # triton only on a GPU
             return row_argmax(logits)
         return logits.argmax(dim=-1)
     if seed is None:
@@ -104,7 +64,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         flat = logp.reshape(-1, logp.shape[-1])
         return torch.multinomial(flat.exp(), 1, generator=generator).reshape(logp.shape[:-1])
     if logits.is_cuda and not params.top_k and params.top_p >= 1.0:
-        from flashspec.argmax import gumbel_argmax
+        from flashspec.verify.argmax import gumbel_argmax
         return gumbel_argmax(logits, inverse_temperature(params.temperature), seed, step)
     return gumbel_draw(logits, params, seed, step)
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from flashspec.tree import TreeDraft
+from flashspec.core import SamplingParams, TreeDraft
 from flashspec.verify import rng
 from flashspec.verify.reference import block_race, row_temperatures, warp_rows
-from flashspec.verify.sampling import SamplingParams, check_finite
+from flashspec.verify.sampling import check_finite
 
 
 def drop_rejected(w: torch.Tensor, q: torch.Tensor | None, rows: torch.Tensor,

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import reference
 from flashspec.verify.api import Backend
 from flashspec.verify.checks import check_shapes
-from flashspec.verify.sampling import SamplingParams
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
 from flashspec.verify.triton_host import (DTYPES, MAX_GRID_Y, log_once, next_pow2, seed_args,

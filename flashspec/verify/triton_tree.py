@@ -31,11 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashspec.core import SamplingParams, TreeDraft
 from flashspec.options import DEFAULT, KernelOptions, interpreted
-from flashspec.tree import TreeDraft
 from flashspec.verify import tree as reference_tree
 from flashspec.verify.checks import check_tree_shapes
-from flashspec.verify.sampling import SamplingParams
 from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unfused_input, unit_rows
 from flashspec.verify.triton_kernels import (BIG_IDX, FLT_MAX, NEG_INF, POS_INF, RBLK, _exp,
                                              _load_seed_rt, _log, _row_temps, _stream_key,

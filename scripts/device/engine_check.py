@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models.loading import dummy_config, random_model
-from flashspec.verify import SamplingParams
 
 
 def dummy_model(device: str, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -57,13 +57,15 @@ def replay_ms(engine: SpecEngine, width: int, n: int = 200) -> float:
     return 1000 * (time.perf_counter() - t0) / n
 
 
-def step_timing(model, arm: Arm, ref: dict, new: int, modes: tuple[bool, ...]) -> bool:
+def step_timing(model, arm: Arm, drafters: list, ref: dict, new: int, modes: tuple[bool, ...]
+                ) -> bool:
     """Per-step cost with graphs, eager-in-graph vs torch.compile'd-in-graph (fp32, B=1)."""
     ok = True
     for compiled in modes:
         try:
             t0 = time.perf_counter()
-            engine = SpecEngine(model, [arm], backend="triton", graphs=True, compile=compiled)
+            engine = SpecEngine(model, [arm], backend="triton", graphs=True, compile=compiled,
+                                drafters=drafters)
             run(engine, 1, 8)
             cold = time.perf_counter() - t0
             got, wall, tau = run(engine, 1, new)
@@ -91,15 +93,16 @@ def main() -> int:
     a = ap.parse_args()
     model = dummy_model(a.device, dtype=getattr(torch, a.dtype))
     ok = True
-    arms = {"ngram": Arm(NgramDrafter(), 4), "skip10": Arm(ModelDrafter(model, list(range(10)), name="skip10"), 3)}
-    ref = {b: run(SpecEngine(model, [Arm(None, 0)]), b, a.new)[0] for b in (1, 4)}
+    arms = {"ngram": Arm("ngram", 4), "skip10": Arm("skip10", 3)}
+    drafters = [NgramDrafter(), ModelDrafter(model, list(range(10)), name="skip10")]
+    ref = {b: run(SpecEngine(model, [Arm()]), b, a.new)[0] for b in (1, 4)}
     if a.timing_only:
-        return 0 if step_timing(model, arms["ngram"], ref, a.new, (False, True)) else 1
+        return 0 if step_timing(model, arms["ngram"], drafters, ref, a.new, (False, True)) else 1
     for backend, graphs in (("torch", False), ("triton", False), ("torch", True), ("triton", True)):
         for batch in (1, 4):
-            kw = dict(backend=backend, graphs=graphs)
-            run(SpecEngine(model, [Arm(None, 0)], **kw), batch, a.new)   # warm-up / capture
-            got_ar, t_ar, _ = run(SpecEngine(model, [Arm(None, 0)], **kw), batch, a.new)
+            kw = dict(backend=backend, graphs=graphs, drafters=drafters)
+            run(SpecEngine(model, [Arm()], **kw), batch, a.new)   # warm-up / capture
+            got_ar, t_ar, _ = run(SpecEngine(model, [Arm()], **kw), batch, a.new)
             ok &= got_ar == ref[batch]
             for name, arm in arms.items():
                 if name != "ngram" and a.quick:
@@ -113,10 +116,10 @@ def main() -> int:
                                   "batch": batch, "drafter": name, "equal": same,
                                   "ar_equal": got_ar == ref[batch], "tau": round(tau, 3),
                                   "ar_s": round(t_ar, 3), "spec_s": round(t_sp, 3)}), flush=True)
-    ok &= step_timing(model, arms["ngram"], ref, a.new, (False, True) if a.compile else (False,))
+    ok &= step_timing(model, arms["ngram"], drafters, ref, a.new, (False, True) if a.compile else (False,))
     for params in (SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0)):
         outs = {(b, g): run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7,
-                                       graphs=g), 4, a.new)[0]
+                                       graphs=g, drafters=drafters), 4, a.new)[0]
                 for b in ("torch", "triton") for g in (False, True)}
         # graphs=True drafts with counter-based Gumbel-max (graph-safe), graphs=False with the
         # torch generator: the backends must agree within each mode

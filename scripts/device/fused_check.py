@@ -108,25 +108,26 @@ def forward_check(model, batch: int, width: int) -> bool:
     return ok
 
 
-def generate(model, fused: bool, arm, graphs: bool, batch: int, new: int):
+def generate(model, fused: bool, arm, graphs: bool, batch: int, new: int, drafters=()):
     from flashspec.engine import SpecEngine
     from flashspec.models.fused import LAYERS
     model.decode_layers = LAYERS if fused else None
-    engine = SpecEngine(model, [arm], backend="triton", graphs=graphs)
+    engine = SpecEngine(model, [arm], backend="triton", graphs=graphs, drafters=drafters)
     res = engine.generate(prompts(batch, model.shape.vocab_size), new)
     return [r.tokens for r in res.rows], [r.accept_hist for r in res.rows], engine
 
 
 def greedy_checks(model, new: int) -> bool:
     from flashspec.drafters import NgramDrafter
-    from flashspec.engine import Arm
+    from flashspec.core import Arm
     ok = True
     for graphs in (False, True):
-        for name, arm in (("ar", Arm(None, 0)), ("ngram@8", Arm(NgramDrafter(), 8))):
+        for arm in (Arm(), Arm("ngram", 8)):
+            name = arm.label
             for batch in (1, 4):
                 t0 = time.perf_counter()
-                ref, ref_hist, _ = generate(model, False, arm, graphs, batch, new)
-                got, got_hist, _ = generate(model, True, arm, graphs, batch, new)
+                ref, ref_hist, _ = generate(model, False, arm, graphs, batch, new, [NgramDrafter()])
+                got, got_hist, _ = generate(model, True, arm, graphs, batch, new, [NgramDrafter()])
                 same = got == ref and got_hist == ref_hist
                 ok &= same
                 emit(check="greedy_equal", graphs=graphs, arm=name, batch=batch, equal=same,
@@ -170,11 +171,11 @@ def kernels_per_step(engine, key: tuple) -> int | None:
 
 def timing(a, model) -> None:
     from flashspec.drafters import NgramDrafter
-    from flashspec.engine import Arm
+    from flashspec.core import Arm
     for batch in ((1, 4) if a.tiny else (1, 32)):
         for fused in (False, True):
             t0 = time.perf_counter()
-            _, _, engine = generate(model, fused, Arm(NgramDrafter(), 8), True, batch, 8)
+            _, _, engine = generate(model, fused, Arm("ngram", 8), True, batch, 8, [NgramDrafter()])
             cold = time.perf_counter() - t0
             for width in (1, 5, 9):
                 key = (batch, width, False)

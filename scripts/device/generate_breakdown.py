@@ -24,11 +24,11 @@ import torch
 import resident_bench
 from tree_profile import timed
 from flashspec import engine as engine_module
+from flashspec.core import SamplingParams
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import NgramDrafter
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
-from flashspec.verify import SamplingParams
 
 METHODS = ["eagle4_res", "tree_dyn15d6k4_res"]
 

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from experiments.kernel_bench import bytes_min, make_inputs
-from flashspec.verify import SamplingParams, reference
+from flashspec.core import SamplingParams
+from flashspec.verify import reference
 from flashspec.verify import triton_backend as tb
 
 FLUSH = 256 << 20      # bytes touched between launches: several times the H200's 60 MB L2

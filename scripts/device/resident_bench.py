@@ -29,17 +29,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashspec.bandits import UCB1
+from flashspec.core import Arm, SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.heads import LowRankChoice
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
 from flashspec.planner import WidthPlanner
 from flashspec.theory import expected_tau
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.verify import get_backend
 
 CELLS = {  # name: (dataset, batch, temperature)
     "he_b1": ("humaneval", 1, 0.0), "mt_b1": ("mtbench", 1, 0.0),
@@ -66,28 +66,29 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
             ) -> dict[str, SpecEngine]:
     """The engines of a cell (``only``: the names to keep; AR of both loops always runs)."""
     keep = lambda name: only is None or name in ("ar_ref", "ar_res") or name in only
-    kw = dict(params=params, backend=get_backend("triton"), seed=0, eos_ids=eos, graphs=True)
+    kw = dict(params=params, backend=get_backend("triton"), seed=0, eos_ids=eos, graphs=True,
+              drafters=[eagle, ngram])
     res = dict(kw, resident=True)
     make = {
-        "ar_ref": lambda: SpecEngine(model, [Arm(None, 0)], **kw),
-        "ar_res": lambda: SpecEngine(model, [Arm(None, 0)], **res),
-        "eagle4_ref": lambda: SpecEngine(model, [Arm(eagle, 4)], **kw),
-        "eagle3_res": lambda: SpecEngine(model, [Arm(eagle, 3)], **res),
-        "eagle4_res": lambda: SpecEngine(model, [Arm(eagle, 4)], **res),
-        "eagle5_res": lambda: SpecEngine(model, [Arm(eagle, 5)], **res),
-        "eagle15_res": lambda: SpecEngine(model, [Arm(eagle, 15)], **res),   # a tree's width
-        "eagle5_res_planner": lambda: SpecEngine(model, [Arm(eagle, 5)], planner=WidthPlanner(), **res),
-        "ngram8_res": lambda: SpecEngine(model, [Arm(ngram, 8)], **res),
-        "ngram8_res_planner": lambda: SpecEngine(model, [Arm(ngram, 8)], planner=WidthPlanner(), **res),
-        "ngram12_res": lambda: SpecEngine(model, [Arm(ngram, 12)], **res),   # the width of 3x1x1x1
+        "ar_ref": lambda: SpecEngine(model, [Arm()], **kw),
+        "ar_res": lambda: SpecEngine(model, [Arm()], **res),
+        "eagle4_ref": lambda: SpecEngine(model, [Arm(eagle.name, 4)], **kw),
+        "eagle3_res": lambda: SpecEngine(model, [Arm(eagle.name, 3)], **res),
+        "eagle4_res": lambda: SpecEngine(model, [Arm(eagle.name, 4)], **res),
+        "eagle5_res": lambda: SpecEngine(model, [Arm(eagle.name, 5)], **res),
+        "eagle15_res": lambda: SpecEngine(model, [Arm(eagle.name, 15)], **res),   # a tree's width
+        "eagle5_res_planner": lambda: SpecEngine(model, [Arm(eagle.name, 5)], planner=WidthPlanner(), **res),
+        "ngram8_res": lambda: SpecEngine(model, [Arm(ngram.name, 8)], **res),
+        "ngram8_res_planner": lambda: SpecEngine(model, [Arm(ngram.name, 8)], planner=WidthPlanner(), **res),
+        "ngram12_res": lambda: SpecEngine(model, [Arm(ngram.name, 12)], **res),   # the width of 3x1x1x1
         # n-gram lookup as a draft tree: three continuations, four deep
         "ngram_3x1x1x1_res": lambda: SpecEngine(
-            model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], **res),
+            model, [Arm(ngram.name, tree=TreeShape.parse("3x1x1x1"))], **res),
         "ngram_3x1x1x1_res_planner": lambda: SpecEngine(
-            model, [Arm.of_tree(ngram, TreeShape.parse("3x1x1x1"))], planner=WidthPlanner(), **res),
+            model, [Arm(ngram.name, tree=TreeShape.parse("3x1x1x1"))], planner=WidthPlanner(), **res),
     }
     for i, spec in enumerate(trees):   # draft trees in the resident loop
-        arm = Arm.of_tree(eagle, TreeShape.parse(spec))
+        arm = Arm(eagle.name, tree=TreeShape.parse(spec))
         make[f"tree_{arm.tree.label}_res"] = lambda arm=arm: SpecEngine(model, [arm], **res)
         make[f"tree_{arm.tree.label}_ref"] = lambda arm=arm: SpecEngine(model, [arm], **kw)
         if i == 0:
@@ -95,15 +96,16 @@ def methods(model, eagle: EagleDrafter, ngram: NgramDrafter, params: SamplingPar
                 model, [arm], planner=WidthPlanner(), **res)
             # the bandit choosing between the chain and the tree by tokens per second
             make[f"eagle4_tree_{arm.tree.label}_res_ucb"] = lambda arm=arm: SpecEngine(
-                model, [Arm(eagle, 4), arm], policy=UCB1(2, reward="tps", reward_scale=4000.0),
+                model, [Arm(eagle.name, 4), arm], policy=UCB1(2, reward="tps", reward_scale=4000.0),
                 **res)
     if not params.greedy:   # drafter calibration at T > 0: flatter / sharper draft distributions
         for t in (0.7, 1.4):
             hot = drafter(model, None, checkpoint, str(model.device), t) if keep(
                 f"eagle3_res_dt{t}") else None
-            make[f"eagle3_res_dt{t}"] = lambda hot=hot: SpecEngine(model, [Arm(hot, 3)], **res)
+            make[f"eagle3_res_dt{t}"] = lambda hot=hot: SpecEngine(model, [Arm(hot.name, 3)],
+                                                                   **{**res, "drafters": [hot]})
     if batch > 1:  # the reference loop's speculative step is the slow one at batch 32
-        make["eagle4_ref_planner"] = lambda: SpecEngine(model, [Arm(eagle, 4)], planner=WidthPlanner(), **kw)
+        make["eagle4_ref_planner"] = lambda: SpecEngine(model, [Arm(eagle.name, 4)], planner=WidthPlanner(), **kw)
     return {name: build() for name, build in make.items() if keep(name)}
 
 
@@ -125,44 +127,44 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
     from torch.profiler import ProfilerActivity, profile as torch_profile
     eagle = drafter(model, tok, checkpoint, "cuda")
     prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
-    arms = [Arm(None, 0), Arm(eagle, gamma)] + [Arm.of_tree(eagle, TreeShape.parse(t)) for t in trees]
+    arms = [Arm(), Arm(eagle.name, gamma)] + [Arm(eagle.name, tree=TreeShape.parse(t)) for t in trees]
     for arm in arms:
         e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
-                       eos_ids=[tok.eos_token_id], params=SamplingParams(temperature))
+                       eos_ids=[tok.eos_token_id], params=SamplingParams(temperature),
+                       drafters=[eagle])
         e.generate([prompt], 64)
         e.resident_loop.state.budgets.fill_(1 << 20)
         e.resident_loop.state.finished.zero_()
-        key = e._resident_arms()[0]
-        e.resident_loop.launch(key, 3)
+        e.resident_loop.launch(arm, 3)
         sync()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            e.resident_loop.launch(key, 20)
+            e.resident_loop.launch(arm, 20)
             sync()
         events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA"]
         total = sum(ev.device_time_total for ev in events) / 20
         kernels = sum(ev.count for ev in events) / 20
-        emit(out, check="profile", arm=arm.name, temperature=temperature, kernels_per_step=kernels,
+        emit(out, check="profile", arm=arm.label, temperature=temperature, kernels_per_step=kernels,
              gpu_us_per_step=round(total, 1))
         for ev in sorted(events, key=lambda ev: -ev.device_time_total):
-            emit(out, check="kernel", arm=arm.name, name=ev.key[:90], per_step=ev.count / 20,
+            emit(out, check="kernel", arm=arm.label, name=ev.key[:90], per_step=ev.count / 20,
                  us_per_step=round(ev.device_time_total / 20, 1))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        e.resident_loop.launch(key, 50)
+        e.resident_loop.launch(arm, 50)
         end.record()
         sync()
-        emit(out, check="replay", arm=arm.name, step_ms=round(start.elapsed_time(end) / 50, 4))
-        graphs = e.resident_loop.graphs[e.resident_loop._key(key)]
+        emit(out, check="replay", arm=arm.label, step_ms=round(start.elapsed_time(end) / 50, 4))
+        graphs = e.resident_loop.graphs[arm]
         if graphs.draft is not None:     # the drafting half alone: what a step past the end costs
             start.record()
             for _ in range(50):
                 graphs.draft.replay()
             end.record()
             sync()
-            emit(out, check="replay_drafting", arm=arm.name,
+            emit(out, check="replay_drafting", arm=arm.label,
                  draft_ms=round(start.elapsed_time(end) / 50, 4))
-        for (where, op), n in census(lambda: e.resident_loop.step(*key)).most_common():
-            emit(out, check="torch_op", arm=arm.name, where=where, op=op, per_step=n)
+        for (where, op), n in census(lambda: e.resident_loop.step(arm)).most_common():
+            emit(out, check="torch_op", arm=arm.label, where=where, op=op, per_step=n)
 
 
 # aten ops that only make views or allocate: no kernel of their own
@@ -275,19 +277,19 @@ def scale(out, gamma: int = 4) -> None:
         prompts = [list(range(100 + b, 100 + b + 512)) for b in range(batch)]
         times = {}
         for g in (0, gamma):
-            arm = Arm(drafter, g) if g else Arm(None, 0)
-            e = SpecEngine(target, [arm], backend=get_backend("triton"), graphs=True, resident=True)
+            arm = Arm(drafter.name, g) if g else Arm()
+            e = SpecEngine(target, [arm], backend=get_backend("triton"), graphs=True, resident=True,
+                           drafters=[drafter])
             e.generate(prompts, 8)            # capture + prefill; the loop stays loaded
             loop = e.resident_loop
             loop.state.budgets.fill_(1 << 20)
             loop.state.finished.zero_()
-            key = (drafter, g) if g else (None, 0)
             for _ in range(3):
-                loop.launch(key, 1)
+                loop.launch(arm, 1)
             sync()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            loop.launch(key, 50)
+            loop.launch(arm, 50)
             end.record()
             sync()
             times[g] = start.elapsed_time(end) / 50

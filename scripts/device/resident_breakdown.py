@@ -25,12 +25,13 @@ import time
 
 import torch
 
+from flashspec.core import Arm, SamplingParams
 from flashspec.data import chat_ids, load_prompts
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
 from flashspec.resident import ResidentLoop
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.verify import get_backend
 
 from resident_bench import drafter
 
@@ -39,7 +40,7 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
-def replay_ms(engine: SpecEngine, arm: tuple, n: int = 40) -> float:
+def replay_ms(engine: SpecEngine, arm: Arm, n: int = 40) -> float:
     loop = engine.resident_loop
     loop.state.budgets.fill_(1 << 20)
     loop.state.finished.zero_()
@@ -77,10 +78,9 @@ def main() -> None:
 
     ResidentLoop.launch = counting
     for g in (int(x) for x in a.gammas.split(",")):
-        arm = Arm(eagle, g) if g else Arm(None, 0)
-        key = (eagle, g) if g else (None, 0)
+        arm = Arm(eagle.name, g) if g else Arm()
         e = SpecEngine(model, [arm], backend=get_backend("triton"), graphs=True, resident=True,
-                       eos_ids=[tok.eos_token_id], seed=0,
+                       eos_ids=[tok.eos_token_id], seed=0, drafters=[eagle],
                        params=SamplingParams(temperature=a.temperature))
         for p in prompts:
             e.generate([p], 4, seed=1)
@@ -105,7 +105,7 @@ def main() -> None:
             sync()
             t3 = time.perf_counter()
             setup = t3 - t0
-            step = replay_ms(e, key)
+            step = replay_ms(e, arm)
             r = res.rows[0]
             rows.append(dict(total_ms=total * 1e3, setup_ms=setup * 1e3, prefill_ms=(t1 - t0) * 1e3,
                              drafter_ms=(t2 - t1) * 1e3, load_ms=(t3 - t2) * 1e3, replay_ms=step,

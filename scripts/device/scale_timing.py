@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
 from flashspec.theory import expected_tau
-from flashspec.verify import SamplingParams
 
 ALPHAS = (0.6, 0.7, 0.8)
 
@@ -60,7 +60,8 @@ def dummy(source: str, dtype: torch.dtype, device: str, seed: int):
 
 def verify_costs(target, batch: int, gamma: int, context: int) -> dict[int, float]:
     """Graph replay time of the target's verify step at widths 1..gamma+1 (batch rows)."""
-    engine = SpecEngine(target, [Arm(NgramDrafter(), gamma)], backend="triton", graphs=True)
+    engine = SpecEngine(target, [Arm("ngram", gamma)], backend="triton", graphs=True,
+                        drafters=[NgramDrafter()])
     prompts = [[1 + (i * 7 + b) % 1000 for i in range(context)] for b in range(batch)]
     engine.generate(prompts, 4)       # builds the cache and captures every width
     costs = {}

@@ -18,8 +18,9 @@ import torch
 sys.path.insert(0, "tests")
 from test_fused_layers import _random_tree  # noqa: E402
 
+from flashspec.core import TreeDraft  # noqa: E402
 from flashspec.models import fused  # noqa: E402
-from flashspec.tree import TreeDraft, tree_attention  # noqa: E402
+from flashspec.tree import tree_attention  # noqa: E402
 
 
 def main() -> int:

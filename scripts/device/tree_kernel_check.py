@@ -5,7 +5,7 @@ the decode attention for chain and tree queries; one JSON line per case.
 - ``grow``: :func:`flashspec.tree.grow_tree` with the Triton bookkeeping (``fused=True``)
   against the torch bookkeeping on the same GPU logits (the children come from the same
   ``pick_children`` either way): rows whose tokens, parents, depths or ancestor bits differ.
-- ``gumbel_topk``: :func:`flashspec.argmax.row_topk` with a seed on the GPU against
+- ``gumbel_topk``: :func:`flashspec.verify.argmax.row_topk` with a seed on the GPU against
   ``pick_children``'s torch form on the CPU copy of the logits: rows whose children differ.
 - ``drafter_input``: :func:`flashspec.models.fused.drafter_input` (SmolLM2 sizes, bf16 and
   fp32, each way of picking the feature rows) against the gathers, embedding, ``add_rmsnorm``
@@ -34,9 +34,9 @@ import sys
 
 import torch
 
-from flashspec.argmax import row_topk
-from flashspec.tree import TreeShape, grow_tree, pick_children
-from flashspec.verify import SamplingParams
+from flashspec.core import SamplingParams, TreeShape
+from flashspec.verify.argmax import row_topk
+from flashspec.tree import grow_tree, pick_children
 from flashspec.verify.sampling import inverse_temperature
 
 VOCAB = 49152
@@ -106,7 +106,7 @@ DEPTH16 = [0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 6]
 
 def verify_case(batch: int, temperature: float, dev: str, seed: int):
     """A 16-node tree per row whose drafts often match the target's argmax (so walks go deep)."""
-    from flashspec.tree import TreeDraft
+    from flashspec.core import TreeDraft
     gen = torch.Generator(device=dev).manual_seed(seed)
     target = (3 * torch.randn(batch, 16, VOCAB, device=dev, generator=gen)).to(torch.bfloat16)
     parents = torch.tensor([PARENTS16] * batch, device=dev)
@@ -195,7 +195,7 @@ def time_tree_kernels(out) -> None:
 def time_attention(out) -> None:
     """Per-call µs of decode_attention (SmolLM2: 9 heads, 3 kv heads, head dim 64, bf16)."""
     from flashspec.models import fused
-    from flashspec.tree import TreeAttention, TreeDraft, TreeShape
+    from flashspec.core import TreeAttention, TreeDraft, TreeShape
     dev, heads, kv, hd, cap = "cuda", 9, 3, 64, 2048
     k = torch.randn(1, kv, cap, hd, device=dev, dtype=torch.bfloat16)
     v = torch.randn_like(k)

@@ -21,14 +21,13 @@ import time
 import torch
 
 from flashspec import engine as engine_mod
+from flashspec.core import Arm, SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter
-from flashspec.engine import Arm, SpecEngine
+from flashspec.engine import SpecEngine
 from flashspec.heads import LowRankChoice
 from flashspec.models import load_model
 from flashspec.models.fused import fuse_model
-from flashspec.tree import TreeShape
-from flashspec.verify import SamplingParams
 
 
 def timed(table: dict, name: str, fn):
@@ -58,13 +57,13 @@ def main() -> None:
     prompt = chat_ids(tok, load_prompts("humaneval", n=1, seed=7)[0].turns[:1], [])
     params = SamplingParams(args.temperature)
     eos = [int(tok.eos_token_id)]
-    for arm in (Arm.of_tree(eagle, TreeShape.parse(args.tree)), Arm(eagle, 4), Arm(None, 0)):
+    for arm in (Arm(eagle.name, tree=TreeShape.parse(args.tree)), Arm(eagle.name, 4), Arm()):
         engine = SpecEngine(model, [arm], params=params, eos_ids=eos, graphs=True,
-                            backend="triton")
+                            backend="triton", drafters=[eagle])
         engine.generate([prompt], 16, seed=1)
         res = engine.generate([prompt], args.new, seed=2)
         row = res.rows[0]
-        print(f"{arm.name}: {len(row.tokens) / res.wall_s:.1f} tok/s, {row.steps} steps, "
+        print(f"{arm.label}: {len(row.tokens) / res.wall_s:.1f} tok/s, {row.steps} steps, "
               f"{1e3 * res.wall_s / row.steps:.2f} ms/step", flush=True)
         if arm.tree is None:
             continue

@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from flashspec.verify import SamplingParams, get_backend
+from flashspec.core import SamplingParams
+from flashspec.verify import get_backend
 from flashspec.verify import triton_backend
 from flashspec.verify.sampling import warp_logprobs
 

@@ -9,7 +9,7 @@ import torch
 from exactness.harness import Chooser, SpecRun, TableDrafter, VerifyFn, speculative_sample
 from exactness.stats import GateResult, exact_target_probs, gate, sample_reference
 from exactness.tables import make_draft, make_target
-from flashspec.verify.sampling import SamplingParams
+from flashspec.core import SamplingParams
 
 
 @dataclass(frozen=True)

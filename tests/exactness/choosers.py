@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from flashspec.bandits import UCB1, Policy, ThompsonSampling
-from flashspec.verify.sampling import SamplingParams, warp_logprobs
+from flashspec.core import SamplingParams
+from flashspec.verify.sampling import warp_logprobs
 
 
 # The bandit policies the gate runs, by name (each built with its class defaults).

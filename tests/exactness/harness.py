@@ -13,8 +13,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from flashspec.core import SamplingParams
 from flashspec.verify import rng
-from flashspec.verify.sampling import SamplingParams, warp_logprobs
+from flashspec.verify.sampling import warp_logprobs
 
 VerifyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DraftLogits = Callable[[slice], torch.Tensor]   # rows slice -> raw draft logits [rows, γ, V]

@@ -9,10 +9,11 @@ import functools
 
 import torch
 
+from flashspec.core import SamplingParams
 from flashspec.verify import rng
 from flashspec.verify.reference import (block_race, blocks_of, draft_logprobs, race_in_blocks,
                                         race_weights)
-from flashspec.verify.sampling import SamplingParams, warp_logprobs
+from flashspec.verify.sampling import warp_logprobs
 
 NEG_INF = float("-inf")
 BUGS = (

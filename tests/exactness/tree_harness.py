@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from exactness.harness import SpecRun
-from flashspec.tree import TreeDraft
+from flashspec.core import SamplingParams, TreeDraft
 from flashspec.verify import rng
-from flashspec.verify.sampling import SamplingParams, warp_logprobs
+from flashspec.verify.sampling import warp_logprobs
 
 
 def static_tree(branching: tuple[int, ...]) -> tuple[list[int], list[int]]:
@@ -105,7 +105,8 @@ def dynamic_tree_speculative_sample(target: torch.Tensor, draft: torch.Tensor, s
     :func:`flashspec.tree.grow_tree` (the product's growth and choice of nodes): the drafter
     at depth d reads the draft table at the row's position + d, children are drawn without
     replacement from q = warp(table) (torch generator), and their draft logits go to verify."""
-    from flashspec.tree import TreeShape, grow_tree
+    from flashspec.core import TreeShape
+    from flashspec.tree import grow_tree
     shape = TreeShape.parse(spec)
     gen = torch.Generator().manual_seed(seed + 99)
 
