@@ -68,7 +68,8 @@ def prompt_set(cfg: DictConfig) -> PromptSet:
 
 
 def load_target(cfg: DictConfig):
-    """(model, tokenizer) of the target; ``runtime.fused_layers`` swaps the fused decode layers in."""
+    """(model, tokenizer) of the target; ``runtime.fused_layers`` swaps the fused decode layers
+    in."""
     model, tokenizer = build(cfg.target)
     if runtime(cfg).fused_layers:
         from flashspec.models.fused import fuse_model   # Triton: only when asked for

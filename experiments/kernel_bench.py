@@ -526,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(hw["device"])
     if args.probe_direct:
         return 0 if probe_direct() else 1
-    conf = {"experiment": exp, "hardware": hw, "runtime": rt, "seed": args.seed, "smoke": args.smoke,
-            "output_dir": str(args.out), "entry": "python -m experiments.kernel_bench",
+    conf = {"experiment": exp, "hardware": hw, "runtime": rt, "seed": args.seed,
+            "smoke": args.smoke, "output_dir": str(args.out),
+            "entry": "python -m experiments.kernel_bench",
             "source_commit": args.commit}
     from experiments.schema import check_config   # the checks run.py makes at composition
     try:
