@@ -275,11 +275,11 @@ def _hf_model(cfg: DictConfig, target):
 # head not on the head choice either) are the same in every job of a sweep; a later job of the
 # same multirun, run by the same process (Hydra's basic launcher), copies them from the job that
 # decoded them instead of decoding them again. Keyed by content: the sweep folder, the run-wide
-# settings (target, hardware, dataset and the prompts' text, max new tokens, seed, sampling,
-# batching, warm-up), the method's own (arm: its drafter entry resolved, checkpoint files by
-# content, γ, reward kind) and the code (every flashspec/ and experiments/ source file, torch
-# and transformers versions). Copied records keep their timings and say where they come from
-# (``reused_from``); ``experiment.reuse=false`` decodes everything in every job.
+# settings (target, hardware, runtime, dataset and the prompts' text, max new tokens, seed,
+# sampling, batching, warm-up), the method's own (arm: its drafter entry resolved, checkpoint
+# files by content, γ, reward kind) and the code (every flashspec/ and experiments/ source file,
+# torch and transformers versions). Copied records keep their timings and say where they come
+# from (``reused_from``); ``experiment.reuse=false`` decodes everything in every job.
 _REUSE: dict[str, dict[str, Any]] = {}
 RUN_KEY_SKIP = {"drafters", "head", "bandit", "planner", "logger", "resume", "output_dir", "hydra"}
 EXPERIMENT_KEY_SKIP = {"methods", "references", "extra_bandits", "timing_iters", "records", "reuse"}

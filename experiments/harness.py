@@ -25,6 +25,7 @@ from flashspec.data import PromptSet
 from flashspec.drafters import DraftContext, Drafter
 from flashspec.errors import FlashSpecError
 from flashspec.hardware import Hardware
+from flashspec.runtime import Runtime
 from flashspec.planner import WidthPlanner
 from flashspec.data import data_hash
 from flashspec.records import (RESUME_MODES, NullLogger, RecordWriter, RunLock, check_resume,
@@ -56,14 +57,21 @@ def hardware(cfg: DictConfig) -> Hardware:
     return build(cfg.hardware)
 
 
+def runtime(cfg: DictConfig) -> Runtime:
+    """How the decode loop runs (``runtime=eager|graphed|resident``; each hardware profile
+    names its default)."""
+    return build(cfg.runtime)
+
+
 def prompt_set(cfg: DictConfig) -> PromptSet:
     return build(cfg.dataset)
 
 
 def load_target(cfg: DictConfig):
-    """(model, tokenizer) of the target; ``hardware.fused_layers`` swaps the fused decode layers in."""
+    """(model, tokenizer) of the target; ``runtime.fused_layers`` swaps the fused decode layers
+    in."""
     model, tokenizer = build(cfg.target)
-    if hardware(cfg).fused_layers:
+    if runtime(cfg).fused_layers:
         from flashspec.models.fused import fuse_model   # Triton: only when asked for
         fuse_model(model)
     return model, tokenizer
@@ -72,7 +80,7 @@ def load_target(cfg: DictConfig):
 def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
     hw = hardware(cfg)
     return DraftContext(target=target, tokenizer=tokenizer, device=hw.device, dtype=hw.dtype,
-                        kernels=hw.kernels)
+                        kernels=runtime(cfg).kernels)
 
 
 def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
@@ -138,10 +146,10 @@ def make_planner(cfg: DictConfig) -> WidthPlanner | None:
 
 def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
     """SpecEngine keyword arguments shared by every method of a run."""
-    hw = hardware(cfg)
-    return dict(params=params, backend=get_backend(hw.verify_backend, hw.kernels),
-                seed=int(cfg.seed), eos_ids=eos, graphs=hw.cuda_graphs, compile=hw.compile_step,
-                resident=hw.resident_loop, chunk=hw.resident_chunk)
+    rt = runtime(cfg)
+    return dict(params=params, backend=get_backend(rt.verify_backend, rt.kernels),
+                seed=int(cfg.seed), eos_ids=eos, graphs=rt.cuda_graphs, compile=rt.compile_step,
+                resident=rt.resident_loop, chunk=rt.resident_chunk)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -162,7 +170,14 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
     component would ignore are refused. ``overrides`` are the command line's (``head=...``,
     ``head.rank=...``)."""
     check_config(cfg)
-    hardware(cfg)
+    hw = hardware(cfg)
+    if "runtime" in cfg:
+        rt = runtime(cfg)
+        if (rt.cuda_graphs or rt.resident_loop) and not hw.device.startswith("cuda"):
+            # allowed, as cuda_graphs on a CPU always was: the same code paths run uncaptured
+            # (how the CPU tests check them); one line says so rather than an error
+            log.warning("runtime=%s on hardware=%s: no CUDA graphs off CUDA, so its steps run "
+                        "uncaptured", rt.name, hw.name)
     exp = cfg.get("experiment") or {}
     if "temperature" in exp:   # the sampling settings' own rules (T = 0 or >= T_MIN, ...)
         try:

@@ -1,7 +1,8 @@
 """Kernel benchmark: fused Triton verify vs the PyTorch reference (eager and torch.compile).
 
 Hydra: ``python run.py experiment=kernel_bench hardware=h200 [smoke=true]``.
-Plain (GPU box without Hydra/W&B): ``python -m experiments.kernel_bench --out DIR --hardware h200``.
+Plain (GPU box without Hydra/W&B): ``python -m experiments.kernel_bench --out DIR --hardware h200``
+(``--runtime`` picks the kernel switches' runtime file; default: the profile's own).
 
 Per shape (B, γ, V): median µs per verify call (CUDA events around each call, warm-up
 excluded, inputs rotated over enough buffers to defeat the L2), speedup vs the eager
@@ -448,12 +449,26 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kernel_options(hardware: dict) -> KernelOptions:
-    """The hardware config's ``kernels:`` mapping as KernelOptions (plain dict: the GPU box
+def kernel_options(runtime: dict) -> KernelOptions:
+    """The runtime config's ``kernels:`` mapping as KernelOptions (plain dict: the GPU box
     reads the YAML without Hydra, so ``_target_`` is dropped rather than instantiated)."""
-    spec = dict(hardware.get("kernels") or {})
+    spec = dict(runtime.get("kernels") or {})
     spec.pop("_target_", None)
     return KernelOptions(**spec)
+
+
+def plain_profile(hardware: str, runtime: str | None = None) -> tuple[dict, dict]:
+    """(hardware, runtime) mappings as Hydra composes them, read with PyYAML: the hardware
+    file without its defaults list, and ``runtime`` or else the runtime that list names
+    (``override /runtime@_global_.runtime: <mode>``, see conf/config.yaml)."""
+    import yaml
+    hw = yaml.safe_load((ROOT / f"conf/hardware/{hardware}.yaml").read_text())
+    for entry in hw.pop("defaults", None) or []:
+        for key, value in (entry.items() if isinstance(entry, dict) else ()):
+            if key.split("@")[0] == "override /runtime" and runtime is None:
+                runtime = str(value)
+    rt = yaml.safe_load((ROOT / f"conf/runtime/{runtime or 'eager'}.yaml").read_text())
+    return hw, rt
 
 
 def run(cfg: Any) -> dict:
@@ -465,7 +480,7 @@ def run(cfg: Any) -> dict:
         knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)
         summary = bench(knobs, device, float(conf["hardware"]["mem_bandwidth_gbs"]),
                         run.path, conf, int(conf["seed"]), run.logger,
-                        kernel_options(conf["hardware"]))
+                        kernel_options(conf["runtime"]))
     _gate(summary)
     return summary
 
@@ -483,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--runtime", default=None,
+                    help="conf/runtime/<name>.yaml (default: the one the hardware file names)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--commit", default=None, help="source commit, where the box has no git")
@@ -493,24 +510,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-direct", action="store_true",
                     help="only check direct launch against the reference (GPU)")
     ap.add_argument("--direct-launch", action="store_true",
-                    help="launch the cached compiled kernels directly (hardware.kernels."
+                    help="launch the cached compiled kernels directly (runtime.kernels."
                          "direct_launch=true)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
                     help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
     args = ap.parse_args(argv)
     exp = yaml.safe_load((ROOT / "conf/experiment/kernel_bench.yaml").read_text())["experiment"]
-    hw = yaml.safe_load((ROOT / f"conf/hardware/{args.hardware}.yaml").read_text())
+    hw, rt = plain_profile(args.hardware, args.runtime)
     for kv in args.set:
         key, _, val = kv.partition("=")
         exp[key] = yaml.safe_load(val)
     if args.direct_launch:
-        hw["kernels"] = {**(hw.get("kernels") or {}), "direct_launch": True}   # in the config
-    options = kernel_options(hw)
+        rt["kernels"] = {**(rt.get("kernels") or {}), "direct_launch": True}   # in the config
+    options = kernel_options(rt)
     device = pick_device(hw["device"])
     if args.probe_direct:
         return 0 if probe_direct() else 1
-    conf = {"experiment": exp, "hardware": hw, "seed": args.seed, "smoke": args.smoke,
-            "output_dir": str(args.out), "entry": "python -m experiments.kernel_bench",
+    conf = {"experiment": exp, "hardware": hw, "runtime": rt, "seed": args.seed,
+            "smoke": args.smoke, "output_dir": str(args.out),
+            "entry": "python -m experiments.kernel_bench",
             "source_commit": args.commit}
     from experiments.schema import check_config   # the checks run.py makes at composition
     try:

@@ -146,7 +146,7 @@ class SpecEngine:
             cannot = [d.name for d in self.drafters if not d.resident]
             if cannot:
                 raise FlashSpecError(f"drafters {cannot} cannot draft in the resident loop; use "
-                                     "hardware.resident_loop=false")
+                                     "runtime.resident_loop=false")
             extra = set(self.policy.context_keys) - {"step", "domain"}
             if extra:
                 raise FlashSpecError(f"the resident loop gives policies the step and domain only; "
@@ -155,7 +155,7 @@ class SpecEngine:
                 raise FlashSpecError(f"the resident loop reports chunk totals, not each step's "
                                      f"accepted drafts; {self.policy.label} reads "
                                      f"{list(self.policy.outcome_keys)}: use "
-                                     "hardware.resident_loop=false")
+                                     "runtime.resident_loop=false")
             if self.chunk < 1:
                 raise FlashSpecError(f"resident chunk must be >= 1, got {chunk}")
         self._retired_capture_s = 0.0   # capture time of step runners replaced with their cache

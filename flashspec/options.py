@@ -1,11 +1,11 @@
 """Kernel options: every switch of the Triton kernels, passed in explicitly.
 
-One frozen :class:`KernelOptions` travels from ``conf/hardware/<name>.yaml`` (its ``kernels:``
+One frozen :class:`KernelOptions` travels from ``conf/runtime/<mode>.yaml`` (its ``kernels:``
 mapping, ``_target_: flashspec.options.KernelOptions``) to the verify backend
 (:func:`flashspec.verify.get_backend`) and the heads (``LowRankHead(use_triton=...)``). No
 module global or environment variable changes what a kernel does; a benchmark that compares
 two settings builds two option objects (``dataclasses.replace(options, fuse_finish=False)``).
-The defaults are the behaviour of every hardware config.
+The defaults are the behaviour of every runtime config.
 
 Triton's interpreter is the one exception to "explicit": it is Triton's own process-wide mode,
 chosen by ``TRITON_INTERPRET=1`` in the environment *before* triton is imported (the tests set

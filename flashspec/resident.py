@@ -173,7 +173,7 @@ class ResidentLoop:
         self.capture = capture and dev.type == "cuda"
         if self.capture and not backend.fuses_in_graph(params):
             log.warning("the %r verify backend cannot run inside a CUDA graph with %s: the "
-                        "resident steps run uncaptured (use hardware.verify_backend=triton, "
+                        "resident steps run uncaptured (use runtime.verify_backend=triton, "
                         "without top-k/top-p, for graphs)", backend.name, params)
             self.capture = False
         self.state = DeviceState.allocate(batch, cache.capacity, gamma_max, dev)

@@ -64,7 +64,7 @@ BAD_VALUES = [
     (["smoke=1"], "smoke must be true or false, got 1"),
     (["dataset.n_prompts=2.5"], "dataset.n_prompts must be an integer >= 1 or null, got 2.5"),
     (["dataset.max_new_tokens=true"], "dataset.max_new_tokens must be an integer >= 1, got True"),
-    (["hardware.cuda_graphs=abc"], "hardware.cuda_graphs must be true or false, got 'abc'"),
+    (["runtime.cuda_graphs=abc"], "runtime.cuda_graphs must be true or false, got 'abc'"),
     (["bandit=ucb1", "bandit.c=abc"], "bandit.c must be a finite number >= 0, got 'abc'"),
     (["bandit.arm=1.5"], "bandit.arm must be an integer >= 0, got 1.5"),
     (["planner=goodput", "planner.replan=0.5"], "planner.replan must be an integer >= 1, got 0.5"),
@@ -129,7 +129,8 @@ def _leaves(node, prefix: str = ""):
 
 
 @pytest.mark.parametrize("choice", [f"{g}={p.stem}" for g in ("experiment", "drafters", "bandit",
-                                    "head", "hardware", "dataset", "planner", "target")
+                                    "head", "hardware", "runtime", "dataset", "planner",
+                                    "target")
                                     for p in sorted((CONF / g).glob("*.yaml"))])
 def test_every_config_value_is_declared_in_the_schema(choice):
     """A key added to conf/ without a type here would be read unchecked: each leaf of every

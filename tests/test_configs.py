@@ -16,8 +16,14 @@ from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, LowRankChoice, TruncatedChoice
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ["target", "drafters", "head", "bandit", "planner", "dataset", "hardware", "logger",
-          "experiment"]
+GROUPS = ["target", "drafters", "head", "bandit", "planner", "dataset", "hardware", "runtime",
+          "logger", "experiment"]
+# What each hardware profile runs when the command names no runtime (its defaults list): the
+# behaviour every command had before the runtime group split off the hardware one.
+DEFAULT_RUNTIME = {"cpu": "eager", "t4": "graphed", "a100": "graphed", "h100": "graphed",
+                   "h200": "resident"}
+RUNTIME_KEYS = {"verify_backend", "cuda_graphs", "compile_step", "resident_loop",
+                "resident_chunk", "fused_layers", "kernels"}
 
 
 def options(group: str) -> list[str]:
@@ -53,6 +59,57 @@ def test_every_config_option_composes_and_validates(group, option):
             validate(cfg)
         return
     validate(cfg)
+
+
+def test_every_hardware_names_its_default_runtime():
+    """`hardware=<x>` alone runs as it did when the profile held the runtime keys: the CPU the
+    eager loop, t4/a100/h100 the graphed step, the h200 the resident loop."""
+    assert sorted(DEFAULT_RUNTIME) == options("hardware")
+    for hw, mode in DEFAULT_RUNTIME.items():
+        cfg = composed(f"hardware={hw}")
+        assert cfg.runtime.name == mode and cfg.hydra.runtime.choices.runtime == mode, hw
+    assert composed().runtime.name == "eager"   # `python run.py`: the cpu profile
+
+
+@pytest.mark.parametrize("hw,mode", [(h, r) for h in options("hardware")
+                                     for r in options("runtime")])
+def test_every_hardware_runtime_pair_composes(hw, mode, caplog):
+    """`hardware=<x> runtime=<y>` composes for every pair (a command-line runtime wins over the
+    profile's), the keys land in their own group, and builds the Runtime; a graphed or
+    resident runtime off CUDA runs uncaptured with one logged line naming both choices."""
+    from flashspec.runtime import Runtime
+    cfg = composed(f"hardware={hw}", f"runtime={mode}")
+    assert cfg.hardware.name == hw and cfg.runtime.name == mode
+    assert cfg.hydra.runtime.choices.runtime == mode
+    assert not RUNTIME_KEYS & set(cfg.hardware), f"hardware={hw} holds runtime keys"
+    assert RUNTIME_KEYS <= set(cfg.runtime)
+    rt = build(cfg.runtime)
+    assert isinstance(rt, Runtime) and rt.name == mode
+    assert rt.resident_loop == (mode == "resident") and rt.cuda_graphs == (mode != "eager")
+    if cfg.hardware.device.startswith("cuda"):   # no CUDA here: the profile is refused, by name
+        with pytest.raises(FlashSpecError, match=f"hardware={hw} needs CUDA"):
+            validate(cfg)
+        return
+    with caplog.at_level("WARNING", logger="flashspec"):
+        validate(cfg)
+    said = [r.getMessage() for r in caplog.records if "uncaptured" in r.getMessage()]
+    assert said == ([] if mode == "eager" else [f"runtime={mode} on hardware={hw}: no CUDA "
+                                                "graphs off CUDA, so its steps run uncaptured"])
+
+
+def test_runtime_keys_reach_the_engine():
+    """engine_options and the draft context read the runtime group: `hardware=cpu
+    runtime=resident` puts the engine on the resident loop with that runtime's chunk and kernel
+    switches."""
+    from experiments.harness import engine_options
+    from flashspec.core import SamplingParams
+    cfg = composed("runtime=resident", "runtime.resident_chunk=4",
+                   "runtime.verify_backend=torch", "runtime.kernels.fuse_finish=false")
+    kw = engine_options(cfg, SamplingParams(), [])
+    assert kw["resident"] and kw["graphs"] and kw["chunk"] == 4 and not kw["compile"]
+    assert kw["backend"].name == "torch"
+    assert not engine_options(composed(), SamplingParams(), [])["resident"]
+    assert build(cfg.runtime).kernels.fuse_finish is False
 
 
 def test_every_bandit_builds_a_policy_over_the_arms():

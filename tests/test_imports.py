@@ -159,7 +159,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core types", ("flashspec.core", "flashspec.errors")),
     ("utilities", ("flashspec.options", "flashspec.paths", "flashspec.seeds", "flashspec.theory",
                    "flashspec.metrics", "flashspec.inputs", "flashspec.data", "flashspec.records",
-                   "flashspec.hardware")),
+                   "flashspec.hardware", "flashspec.runtime")),
     ("kernels and verify", ("flashspec.verify", "flashspec.tree", "flashspec.tree_kernels",
                             "flashspec.matmul")),
     ("models", ("flashspec.models",)),

@@ -134,7 +134,7 @@ def test_engine_greedy_qwen2_equals_target_only(one_layer_dirs, drafter, use_fus
     """The 1.5B geometry (untied head) as target, fp32: greedy speculative decoding with a chain
     drafter gives target-only (AR) output token for token. ``draft_lm``: a separate qwen2 draft
     LM of the 0.5B geometry (tied head), as conf/drafters/qwen_coder.yaml pairs them, with the
-    fused decode layers in both models (as hardware.fused_layers runs them; the interpreter
+    fused decode layers in both models (as runtime.fused_layers runs them; the interpreter
     makes this the slow case); ``self``: the target's own weights as a separate draft LM, so
     drafts are accepted and the accepted-path bookkeeping runs."""
     target, tok = load_model(str(one_layer_dirs["1.5b"]))

@@ -63,7 +63,7 @@ class ModelDrafter(GraphedDrafting, Drafter):
                                  f"target ({model.shape.vocab_size} vs {vocab} ids); pick a drafter "
                                  "of the same model family")
         if ctx.target.fused and quantization is None:
-            # the run asked for fused decode layers (hardware.fused_layers): the draft LM's
+            # the run asked for fused decode layers (runtime.fused_layers): the draft LM's
             # few-token steps take them too, as the target's and an EAGLE module's do
             from flashspec.models.fused import fuse_model
             fuse_model(model)

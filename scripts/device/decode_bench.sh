@@ -45,8 +45,8 @@ FUSED=true
 if [ "$(cat /dev/shm/fused_rc 2>/dev/null)" != 0 ]; then
   FUSED=false; el "fused layer check failed or missing: reference layers"
 fi
-BASE="python3 run.py experiment=decode hardware=h200 hardware.cuda_graphs=$GRAPHS
-     hardware.fused_layers=$FUSED hardware.verify_backend=$BACKEND target.source=$GGUF logger=disabled"
+BASE="python3 run.py experiment=decode hardware=h200 runtime.cuda_graphs=$GRAPHS
+     runtime.fused_layers=$FUSED runtime.verify_backend=$BACKEND target.source=$GGUF logger=disabled"
 # ours: n-gram γ=8 with the goodput width planner (fixed arm 1 of gpu_ngram), each arm alone
 RUN="$BASE drafters=gpu_ngram bandit=fixed bandit.arm=1 planner=goodput"
 EAGLE="$BASE drafters=eagle_lowrank drafters.drafters.0.checkpoint=/dev/shm/smollm2_eagle_lr72.safetensors
