@@ -125,11 +125,11 @@ def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter])
         if arm.drafter is not None and arm.drafter not in drafters:
             raise FlashSpecError(f"drafters.arms names drafter {arm.drafter!r}, not in the "
                                  f"drafter set {list(drafters)}")
-        if arm.tree is not None and not drafters[arm.drafter].tree:
-            raise FlashSpecError(f"drafters.arms gives drafter {arm.drafter!r} the tree "
-                                 f"{arm.tree.label}; it drafts chains only (trees: EAGLE and "
-                                 "n-gram drafters)")
         if arm.tree is not None:
+            if not drafters[arm.drafter].tree:
+                raise FlashSpecError(f"drafters.arms gives drafter {arm.drafter!r} the tree "
+                                     f"{arm.tree.label}; it drafts chains only (trees: EAGLE and "
+                                     "n-gram drafters)")
             drafters[arm.drafter].check_tree(arm.tree)
     return arms
 
