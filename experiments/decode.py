@@ -134,6 +134,7 @@ class Plan:
     heads: tuple | None = None
     gamma: int = 0
     head: dict[str, Any] = field(default_factory=dict)
+    policies: list[Policy] = field(default_factory=list)   # spec's, then the extra ones
 
     @property
     def arm_names(self) -> list[str]:
@@ -175,6 +176,7 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
         plan.policy_arms = arms
         policies = [make_policy(b, len(arms), int(cfg.seed))
                     for b in [cfg.bandit, *(exp.get("extra_bandits") or {}).values()]]
+        plan.policies = policies
     for m in wanted:
         if m == "ar":
             plan.methods.append(engine_method("ar", SpecEngine(target, [Arm()], **kw),
@@ -281,7 +283,8 @@ def _hf_model(cfg: DictConfig, target):
 # torch and transformers versions). Copied records keep their timings and say where they come
 # from (``reused_from``); ``experiment.reuse=false`` decodes everything in every job.
 _REUSE: dict[str, dict[str, Any]] = {}
-RUN_KEY_SKIP = {"drafters", "head", "bandit", "planner", "logger", "resume", "output_dir", "hydra"}
+RUN_KEY_SKIP = {"drafters", "head", "bandit", "priors", "planner", "logger", "resume", "output_dir",
+                "hydra"}
 EXPERIMENT_KEY_SKIP = {"methods", "references", "extra_bandits", "timing_iters", "records", "reuse"}
 
 
@@ -422,6 +425,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         common = run_key(cfg, prompts, max_new)
         keys = {m.name: k for m in methods if (k := reuse_key(scope, common, m)) is not None}
     with run_dir(cfg, exp.records, {"resolved": resolved}, data=dataset.name) as run:
+        # priors (experiments/priors.py): policies start from the store before any step,
+        # warm-up included; what this job measured is written at the end
+        from experiments import priors as carried
+        started = carried.warm_start(cfg, plan.policies, plan.arm_names, prompts)
+        if started:
+            run.provenance["priors"] = started
         done = run.done_keys("method", "prompt_id", "turn")
         reused = _reuse_records(run, keys, done, roles)
         units = [(p.id, t) for p in prompts for t in range(len(p.turns))]
@@ -452,6 +461,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from flashspec.records import read_records
         records = list(read_records(run.writer.path, experiment="decode"))
         _remember(records, keys, prompts, str(run.path))
+        if plan.policies:
+            carried.save(cfg, records, plan.arm_names, plan.arms, plan.spec,
+                         plan.policies[0].reward_kind, run.path)
         rows = summarize(records)
         log.info("records: %s\n%s", run.writer.path, format_table(rows))
         cmp = bandit_vs_fixed(records)

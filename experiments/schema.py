@@ -145,6 +145,8 @@ COMMON: dict[str, Kind] = {
         "drafters.*.quantization": TEXT | NULL, "drafters.*.heads.*": TEXT,
         "drafters.*.draft_temperature": number(0)}.items()},
     **{f"{where}.{k}": v for where in ("bandit", "bandit.inner") for k, v in BANDIT.items()},
+    **{f"priors.{k}": v for k, v in {
+        "use": BOOL, "path": TEXT, "weight": number(0), "save": TEXT | NULL}.items()},
 }
 
 DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,

@@ -85,6 +85,7 @@ class Policy:
 
     name = "policy"
     learns = True
+    takes_priors = False   # warm_start supported: a policy whose state is counts and sums
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, reward: str = "alpha",
                  reward_scale: float = 1.0, full_info: bool = False) -> None:
@@ -110,6 +111,7 @@ class Policy:
         self._counts = np.zeros(shape)
         self._sums = np.zeros(shape)
         self._cost_sums = np.zeros(shape)
+        self._prior_pulls = 0.0   # pseudo-pulls warm_start added (UCB1 counts them in its t)
         self.arm_specs: list[Arm] | None = None   # what each arm is, once bound
 
     @property
@@ -130,6 +132,44 @@ class Policy:
         if len(arms) != self.n_arms:
             raise FlashSpecError(f"bandit: told {len(arms)} arms, built for {self.n_arms}")
         self.arm_specs = list(arms)
+
+    def warm_start(self, pulls: Sequence[float], means: Sequence[float],
+                   costs: Sequence[float] | None = None, weight: float = 20.0) -> None:
+        """Starts every replicate as if arm k had been played ``min(pulls[k], weight)`` times
+        with mean reward ``means[k]`` (raw, in this policy's reward kind) and mean cost
+        ``costs[k]`` (NaN or None: unknown, counted as 1.0 like an update without cost).
+
+        What an earlier run measured (:mod:`flashspec.bandits.priors`) then decides the first
+        picks instead of a round of exploration; the cap keeps the prior worth ``weight`` steps
+        at most, so a policy whose arms now behave otherwise moves off it. Arrays are in this
+        policy's arm order: align them by label first (:meth:`Priors.aligned`). Only before
+        the first update; a policy whose state is not counts and sums refuses
+        (``takes_priors``)."""
+        if not self.takes_priors:
+            raise FlashSpecError(f"bandit={self.name} does not start from priors; run it cold "
+                                 "(priors.use=false)")
+        if self.t:
+            raise FlashSpecError(f"bandit={self.name}: warm_start after {self.t} updates; it "
+                                 "only seeds a fresh policy")
+        if not weight >= 0:
+            raise FlashSpecError(f"priors weight must be >= 0, got {weight}")
+        n = np.minimum(np.asarray(pulls, dtype=float), float(weight))
+        mean = np.asarray(means, dtype=float)
+        cost = np.ones(self.n_arms) if costs is None else \
+            np.nan_to_num(np.asarray(costs, dtype=float), nan=1.0)
+        if not n.shape == mean.shape == cost.shape == (self.n_arms,):
+            raise FlashSpecError(f"warm_start: pulls, means and costs must be [{self.n_arms}] "
+                                 f"(one per arm), got {n.shape}, {mean.shape}, {cost.shape}")
+        if (n < 0).any() or not np.isfinite(mean).all() or not (cost > 0).all():
+            raise FlashSpecError("warm_start: pulls must be >= 0, means finite, costs > 0")
+        self._seed_prior(n, mean, cost)
+        self._prior_pulls = float(n.sum())
+
+    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        """Adds ``n[k]`` pseudo-observations of mean ``mean[k]`` to every replicate's state."""
+        self._counts += n
+        self._sums += n * mean
+        self._cost_sums += n * cost
 
     @property
     def label(self) -> str:

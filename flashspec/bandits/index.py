@@ -30,6 +30,7 @@ class EpsilonGreedy(Policy):
     """Plays each arm once, then a uniformly random arm with probability ε, else the best mean."""
 
     name = "eps_greedy"
+    takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, epsilon: float = 0.1, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
@@ -48,6 +49,7 @@ class UCB1(Policy):
     """UCB1 (Auer, Cesa-Bianchi & Fischer 2002): mean + c·sqrt(2 ln t / n); unplayed arms first."""
 
     name = "ucb1"
+    takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, c: float = 1.0, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
@@ -56,7 +58,9 @@ class UCB1(Policy):
         self.c = float(c)
 
     def _scores(self, context: Context) -> np.ndarray:
-        return _ucb(self._estimates(), self._counts, max(self.t, 1), self.c * self.reward_scale)
+        # t counts plays: a warm start's pseudo-pulls are plays the bonus has already paid for
+        t = max(self.t + self._prior_pulls, 1)
+        return _ucb(self._estimates(), self._counts, t, self.c * self.reward_scale)
 
 
 class SlidingWindowUCB(Policy):
@@ -119,7 +123,7 @@ class Oracle(Policy):
         return np.full(self.n_envs, self.best[min(self.t, len(self.best) - 1)], dtype=np.int64)
 
 
-def _ucb(mean: np.ndarray, n: np.ndarray, t: int, scale: float) -> np.ndarray:
+def _ucb(mean: np.ndarray, n: np.ndarray, t: float, scale: float) -> np.ndarray:
     """mean + scale·sqrt(2 ln t / n), +inf where n = 0."""
     bonus = scale * np.sqrt(2.0 * np.log(t) / np.maximum(n, 1e-12))
     return np.where(n > 0, mean + bonus, np.inf)

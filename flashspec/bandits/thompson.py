@@ -17,6 +17,7 @@ class ThompsonSampling(Policy):
     """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw."""
 
     name = "thompson"
+    takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, prior_alpha: float = 1.0,
                  prior_beta: float = 1.0, **kw: float) -> None:
@@ -45,6 +46,14 @@ class ThompsonSampling(Policy):
         self._succ += win
         self._fail += lose
         super()._observe(r, c, pulled, context)
+
+    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        """n pseudo-trials at the prior's success rate: the Beta posterior a run with n steps
+        of mean reward ``mean`` leaves on average (fractional counts, no Bernoulli draws)."""
+        rate = self.unit(mean)
+        self._succ += n * rate
+        self._fail += n * (1.0 - rate)
+        super()._seed_prior(n, mean, cost)
 
     @property
     def posterior_means(self) -> np.ndarray:
