@@ -92,16 +92,26 @@ def test_gate_passes_realistic_vocab() -> None:
     assert result.passed, result.summary()
 
 
-@pytest.mark.parametrize("policy", ["ucb1", "thompson", "switch_on_reject"])
+@pytest.mark.parametrize("policy", ["ucb1", "thompson", "switch_on_reject", "ucb1_warm",
+                                    "thompson_warm"])
 def test_gate_passes_with_bandit_chosen_drafters(policy: str) -> None:
     """Each row's own chooser picks (q table, γ) every step from its past acceptance only:
-    flashspec.bandits policies (one replicate per row) and a strongly history-dependent rule."""
+    flashspec.bandits policies (one replicate per row) and a strongly history-dependent rule.
+    ``*_warm``: the policy started from priors (``Policy.warm_start``, what a decode job reads
+    from the priors store) that rate the weakest-overlap drafter above the best one: it is
+    played more, and the output is still the target's."""
     case = Case(1.0, arms=BANDIT_ARMS)
-    chooser = (SwitchOnRejectChooser(len(BANDIT_ARMS), case.n_rows) if policy == "switch_on_reject"
-               else PolicyChooser(policy, len(BANDIT_ARMS), case.n_rows, seed=7))
+    name = policy.removesuffix("_warm")
+    chooser = (SwitchOnRejectChooser(len(BANDIT_ARMS), case.n_rows) if name == "switch_on_reject"
+               else PolicyChooser(name, len(BANDIT_ARMS), case.n_rows, seed=7))
+    if policy.endswith("_warm"):
+        chooser.policy.warm_start([20, 20, 0], [0.3, 0.9, 0.0], weight=20)
     result, run = run_case(case, backend("torch"), chooser=chooser)
     _report(f"chooser={policy} {case.name()} arm_steps={run.arm_steps}", result, run)
-    assert len(chooser.history) >= 3 and all(run.arm_steps.get(a, 0) > 0 for a in range(3))
+    played = [run.arm_steps.get(a, 0) for a in range(3)]
+    assert len(chooser.history) >= 3
+    assert (played[1] > played[0] and played[2] > 0) if policy.endswith("_warm") \
+        else all(played), played
     assert result.passed, result.summary()
 
 
