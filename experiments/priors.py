@@ -106,11 +106,13 @@ def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_metho
 def save(cfg: DictConfig, records: list[dict[str, Any]], arm_labels: Sequence[str],
          arm_methods: dict[int, str], spec: str | None, reward: str, run_path) -> list[str]:
     """Writes what this job measured of each arm, one file per domain, to the run directory's
-    ``priors/`` and to ``priors.save`` when set; returns the paths written."""
+    ``priors/`` and to ``priors.save`` when set (not for ``smoke=true``); returns the paths
+    written."""
     if not arm_labels or not (arm_methods or spec):
         return []
     conf = cfg.get("priors") or {}
-    dirs = [run_path / DIR] + ([repo_path(conf.save)] if conf.get("save") else [])
+    save_to = conf.get("save") if not cfg.get("smoke") else None   # a smoke run's few steps
+    dirs = [run_path / DIR] + ([repo_path(save_to)] if save_to else [])   # stay in its dir
     written = []
     for domain, stats in measured(records, arm_labels, arm_methods, spec).items():
         if not any(s.pulls for s in stats.values()):

@@ -171,6 +171,10 @@ def test_decode_job_writes_what_each_arm_measured(tmp_path):
                            "alpha", tmp_path / "run")
     assert len(written) == 4 and all(p.endswith(".json") for p in written)
     assert len(list((tmp_path / "run" / "priors").glob("*.json"))) == 2
+    smoke = composed("smoke=true", f"priors.save={tmp_path / 'smoke_store'}")
+    assert len(carried.save(smoke, records, ["a@2", "n@3"], {0: "spec:a@2"}, None, "alpha",
+                            tmp_path / "smoke_run")) == 2      # the run's own directory only
+    assert not (tmp_path / "smoke_store").exists()
 
 
 def test_greedy_decoding_under_a_warm_started_policy_equals_the_target():

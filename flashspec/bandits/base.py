@@ -80,7 +80,8 @@ class Policy:
     Class attributes declare the rest of what the engine reads: ``learns`` (False for a
     policy whose choice never depends on feedback) and :attr:`context_keys` (context entries
     the policy conditions on; the engine computes drafter features only when asked) and
-    :attr:`outcome_keys` (what ``update`` reads of the finished step besides its reward).
+    :attr:`outcome_keys` (what ``update`` reads of the finished step besides its reward), and
+    ``takes_priors`` (whether :meth:`warm_start` can seed it from an earlier run's stats).
     """
 
     name = "policy"
