@@ -196,6 +196,8 @@ _DATA = {**SAMPLING, "max_new_tokens": POSITIVE, "batch_size": POSITIVE, "split"
 TRAIN_DRAFTER = {
     "threads": POSITIVE | NULL, "cache_dir": TEXT, "export": TEXT | NULL, "train_head": BOOL,
     "save_dtype": choice("float16", "bfloat16", "float32"),
+    "heads": LIST | NULL, "heads.*": TEXT | POSITIVE, "resume": BOOL, "save_every": COUNT,
+    "call_budget_s": SECONDS, "call_steps": POSITIVE | NULL, "data_only": BOOL,
     **{f"data.{k}": v for k, v in _DATA.items()},
     **{f"data_mix.*.{k}": v for k, v in _DATA.items()},
     **{f"train.{k}": v for k, v in {
