@@ -20,8 +20,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.harness import (RunDir, build, build_arms, build_drafters, draft_context,
-                                 engine_options, load_target, make_planner,
+from experiments.harness import (TWIN, RunDir, build, build_arms, build_drafters, draft_context,
+                                 drafter_builder, engine_options, load_target, make_planner,
                                  make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
 from flashspec.core import Arm, SamplingParams
@@ -134,6 +134,7 @@ class Plan:
     heads: tuple | None = None
     gamma: int = 0
     head: dict[str, Any] = field(default_factory=dict)
+    reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
 
     @property
     def arm_names(self) -> list[str]:
@@ -209,32 +210,61 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
 
 def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms: list[Arm],
                          kw: dict) -> None:
-    """The ρ_τ reference: the first arm whose drafter takes the run's head choice, run with
-    that drafter's full head (same backbone, same γ, same prompts)."""
+    """The ρ_τ reference: the first arm whose drafter takes the run's head choice, run with a
+    full head, same γ, same prompts. With a ``twin`` in the drafter's entry (its full-head twin,
+    trained the same way: SlimSpec's ρ_τ) that drafter decodes (``ref_twin:<arm>``), after
+    checking the twin keys match; else the same backbone with the full head
+    (``ref_full_head:<arm>``). ``rho_tau_reference`` in the job metrics says which."""
     entries = cfg.drafters.drafters
     for i, arm in enumerate(arms):
         if arm.drafter is None or not takes_head(entries[arm.drafter]):
             continue
-        full = build(entries[arm.drafter], _partial_=True)(
-            ctx=ctx, name=arm.drafter, head=FullHeadChoice())
-        name = f"ref_full_head:{arm.label}"
+        entry = entries[arm.drafter]
+        twin = entry.get(TWIN)
+        choice = build(cfg.head)
+        rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
+            if isinstance(choice, LowRankChoice) else None
+        override = {}
+        if twin:
+            _check_twin_arm(entry, str(twin), arm.drafter, choice, rank)
+            override = {"checkpoint": str(twin)}
+        full = drafter_builder(entry)(ctx=ctx, name=arm.drafter, head=FullHeadChoice(), **override)
+        name = f"ref_{'twin' if twin else 'full_head'}:{arm.label}"
         engine = SpecEngine(ctx.target, [arm], **{**kw, "drafters": [full]})
         plan.methods.append(engine_method(name, engine, arm_key_of(
             cfg, arm, engine.policy.reward_kind, full_head=True)))
         plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.label}", arm.gamma
+        plan.reference = "twin" if twin else "backbone"
         variant = drafters[arm.drafter]
         plan.heads = (variant.head, full.head)
-        choice = build(cfg.head)
-        rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
-            if isinstance(choice, LowRankChoice) else None
         plan.head = {"drafter": arm.drafter, "kind": choice.kind, "rank": rank,
-                     "params": module_size(variant.head), "full_params": module_size(full.head)}
+                     "params": module_size(variant.head), "full_params": module_size(full.head),
+                     "rho_tau_reference": plan.reference}
         plan.arms.setdefault(i, plan.variant)
         if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
             engine = SpecEngine(ctx.target, [arm], **kw)
             plan.methods.append(engine_method(plan.variant, engine, arm_key_of(
                 cfg, arm, engine.policy.reward_kind)))
         return
+
+
+def _check_twin_arm(entry: DictConfig, twin: str, drafter: str, choice, rank: int | None) -> None:
+    """A twin reference is refused unless the drafter is the low-rank drafter of the twin's
+    group: same twin key, and the run's head is the one trained into its checkpoint (the
+    trained head of its rank, not an SVD or another file)."""
+    from flashspec.training.twins import check_twins, read_twin
+    if "checkpoint" not in entry:
+        raise FlashSpecError(f"drafters.{drafter}.twin needs a drafter trained from a checkpoint "
+                             "(drafters.<name>.checkpoint), the low-rank drafter of a twin group")
+    check_twins(str(entry.checkpoint), twin)
+    baked = read_twin(str(entry.checkpoint)).get("checkpoint_head") or {}
+    trained = isinstance(choice, LowRankChoice) and choice.init == "trained" and not choice.checkpoint
+    if not trained or baked.get("rank") != rank:
+        raise FlashSpecError(f"drafters.{drafter}.twin: {entry.checkpoint} is the twin group's "
+                             f"rank-{baked.get('rank')} drafter, the run's head is "
+                             f"{choice.kind} {getattr(choice, 'init', '')} rank {rank}; use its "
+                             "trained head (head=lowrank head.init=trained, head.rank its rank) "
+                             "or pick the checkpoint of the run's rank")
 
 
 def module_size(module: torch.nn.Module) -> int:
@@ -327,8 +357,10 @@ def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: b
     head replaces it), γ (and the tree shape of a tree arm) and the reward kind the records
     carry."""
     entry = OmegaConf.to_container(cfg.drafters.drafters[drafter], resolve=True)
-    if full_head:
-        entry = {**{k: v for k, v in entry.items() if k != "head"}, "head": "full"}
+    if full_head:   # the full head replaces the run's; a twin checkpoint the drafter's own
+        twin = {"checkpoint": entry[TWIN]} if entry.get(TWIN) else {}
+        entry = {**{k: v for k, v in entry.items() if k not in ("head", TWIN)}, **twin,
+                 "head": "full"}
     key = {"kind": "arm", "drafter": drafter, "entry": _with_file_hashes(entry),
            "gamma": int(gamma), "reward": reward}
     return key if tree is None else {**key, "tree": tree}
@@ -500,6 +532,7 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
         step_s = sum(r["decode_s"] for r in full) / steps if steps else None
         if tau_v and tau_f and step_s:
             job["rho_tau"] = tau_v / tau_f
+            job["rho_tau_reference"] = plan.reference   # twin | backbone
             job["nu"] = lat_v / lat_f
             job["kappa"] = kappa(plan.gamma, lat_f, step_s)
             job["rho_tps_pred"] = rho_tps(job["rho_tau"], job["nu"], job["kappa"])

@@ -9,6 +9,7 @@ and this module instantiates it. Groups that need run-time arguments are partial
 """
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,11 +84,25 @@ def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
                         kernels=runtime(cfg).kernels)
 
 
+# A drafter entry's option that its builder does not take: the checkpoint of the drafter's
+# full-head twin (experiment=train_drafter experiment.heads=[...]), which experiment=decode's
+# ρ_τ reference decodes with instead of the drafter's own backbone under the full head.
+TWIN = "twin"
+
+
+def drafter_builder(entry: DictConfig):
+    """The entry's builder, a partial called with ctx and name (and any override), without the
+    entry's ``twin`` option."""
+    make = build(entry, _partial_=True)
+    return functools.partial(make.func, *make.args,
+                             **{k: v for k, v in make.keywords.items() if k != TWIN})
+
+
 def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
     """Every drafter of the set, by name (each entry is a partial called with ctx and name)."""
     out: dict[str, Drafter] = {}
     for name, entry in (cfg_drafters.get("drafters") or {}).items():
-        out[name] = build(entry, _partial_=True)(ctx=ctx, name=name)
+        out[name] = drafter_builder(entry)(ctx=ctx, name=name)
     return out
 
 

@@ -19,6 +19,7 @@ from flashspec.training.run import JobOptions, run_twins
 from flashspec.training.train import Resumable, TrainConfig, train
 from flashspec.training.twins import check_twins, head_tag, read_twin
 
+ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "dummy:smollm2-135m"
 TINY = TrainConfig(steps=6, batch_tokens=48, max_len=16, warmup=1, eval_every=2, eval_prompts=0,
                    val_fraction=0.25, log_every=1, unroll=2, noise=0.05, out_norm=True,
@@ -76,41 +77,107 @@ def test_resume_equals_straight_training(dummy, svd_head, tmp_path):
               resumable=Resumable(state, fingerprint="x"))
 
 
-def job(tmp_path: Path, **kw) -> JobOptions:
+def job(root: Path, **kw) -> JobOptions:
     data = DataSpec(datasets={"humaneval": 1, "gsm8k": 1}, samples={"humaneval": 1, "gsm8k": 1},
                     max_new_tokens=6, batch_size=4)
     cfg = dataclasses.replace(TINY, val_fraction=0.0, max_len=160, batch_tokens=320)  # > prompts
-    return JobOptions(data=[data], train=cfg,
-                      out_dir=tmp_path / "twins", cache_dir=tmp_path / "cache", source=SOURCE,
-                      progress=False, **kw)
+    return JobOptions(data=[data], train=cfg, out_dir=root / "twins", cache_dir=root / "cache",
+                      source=SOURCE, progress=False, **kw)
 
 
-def test_twins_share_data_and_settings_and_differ_in_head(dummy, tmp_path):
-    """full + d/64 twins from one data cache: same twin key, data key, training settings and
-    steps; the low-rank twin holds its trained head, the full one none. A twin of another
-    seed (another group) is refused as the ρ_τ reference."""
+@pytest.fixture(scope="module")
+def group(dummy, tmp_path_factory) -> dict:
+    """A twin group (full, d/64 = r9) and the full-head drafter of another seed on the same
+    data (another group), exported as ex_<tag> and other_full."""
     target, tok = dummy
-    res = run_twins(target, tok, job(tmp_path, export=str(tmp_path / "ex_{head}.safetensors")),
+    root = tmp_path_factory.mktemp("twins")
+    res = run_twins(target, tok, job(root, export=str(root / "ex_{head}.safetensors")),
                     ["full", "d/64"])
-    assert res["finished"] and list(res["heads"]) == ["full", "r9"]
-    full, low = (read_twin(tmp_path / f"ex_{t}.safetensors") for t in ("full", "r9"))
+    other = job(root / "b", export=str(root / "other_{head}.safetensors"))
+    other = dataclasses.replace(other, train=dataclasses.replace(other.train, seed=1),
+                                cache_dir=root / "cache")
+    run_twins(target, tok, other, ["full"])
+    return {"res": res, "full": root / "ex_full.safetensors", "low": root / "ex_r9.safetensors",
+            "other": root / "other_full.safetensors", "root": root}
+
+
+def test_twins_share_data_and_settings_and_differ_in_head(group):
+    """Same twin key, data and training settings; the low-rank twin holds its trained head,
+    the full one none; another seed is another group, refused as the ρ_τ reference."""
+    assert group["res"]["finished"] and list(group["res"]["heads"]) == ["full", "r9"]
+    full, low = read_twin(group["full"]), read_twin(group["low"])
     assert full["key"] == low["key"] and full["head"] == "full" and low["head"] == "r9"
     assert full["checkpoint_head"] is None and low["checkpoint_head"] == {"kind": "lowrank", "rank": 9}
-    metas = [json.loads((tmp_path / f"ex_{t}.json").read_text())["provenance"]
-             for t in ("full", "r9")]
+    metas = [json.loads(p.with_suffix(".json").read_text())["provenance"]
+             for p in (group["full"], group["low"])]
     assert metas[0]["data"] == metas[1]["data"] and metas[0]["train"] == metas[1]["train"]
-    assert check_twins(str(tmp_path / "ex_r9.safetensors"),
-                       str(tmp_path / "ex_full.safetensors"))["key"] == low["key"]
+    assert check_twins(str(group["low"]), str(group["full"]))["key"] == low["key"]
     with pytest.raises(FlashSpecError, match="not the full-head one"):
-        check_twins(str(tmp_path / "ex_full.safetensors"), str(tmp_path / "ex_r9.safetensors"))
-
-    other = job(tmp_path / "b", export=str(tmp_path / "b_{head}.safetensors"))
-    other = dataclasses.replace(other, train=dataclasses.replace(other.train, seed=1),
-                                cache_dir=tmp_path / "cache")   # the same data, another seed
-    run_twins(target, tok, other, ["full"])
-    assert read_twin(tmp_path / "b_full.safetensors")["key"] != low["key"]
+        check_twins(str(group["full"]), str(group["low"]))
+    assert read_twin(group["other"])["key"] != low["key"]
     with pytest.raises(FlashSpecError, match="not trained the same way"):
-        check_twins(str(tmp_path / "ex_r9.safetensors"), str(tmp_path / "b_full.safetensors"))
+        check_twins(str(group["low"]), str(group["other"]))
+    status = json.loads((group["root"] / "twins" / "twins.json").read_text())
+    assert status["finished"] and set(status["heads"]) == {"full", "r9"}
+
+
+def composed(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.output_dir = "/tmp/unused"
+        del cfg["hydra"]
+    return cfg
+
+
+def reference_plan(dummy, checkpoint: Path, twin: Path | None, *head: str):
+    from experiments.decode import build_methods
+    from flashspec.core import SamplingParams
+    target, tok = dummy
+    cfg = composed("experiment=decode", f"target.source={SOURCE}", "drafters=eagle_lowrank",
+                   f"drafters.drafters.eagle_lr72.checkpoint={checkpoint}", "head=lowrank",
+                   *(head or ["head.rank=9"]), "experiment.methods=[spec]",
+                   "experiment.references=[full_head]",
+                   *([f"+drafters.drafters.eagle_lr72.twin={twin}"] if twin else []))
+    return build_methods(cfg, target, tok, SamplingParams(0.0, 0, 1.0), [2])
+
+
+def drafter_of(plan, method: str):
+    """The drafter a method's engine decodes with (the engine its run closes over)."""
+    from flashspec.engine import SpecEngine
+    run = next(m.run for m in plan.methods if m.name == method)
+    engine = next(c.cell_contents for c in run.__closure__
+                  if isinstance(c.cell_contents, SpecEngine))
+    return engine.drafters[0]
+
+
+def test_full_head_reference_decodes_with_the_twin(dummy, group):
+    """With ``twin:`` the ρ_τ reference is the twin drafter (its weights, the full head) and
+    says so; without it, the low-rank drafter's own backbone; a twin of another group or a run
+    head of another rank than the checkpoint's is refused."""
+    from flashspec.drafters.eagle_checkpoint import load_eagle
+    target, _ = dummy
+    plan = reference_plan(dummy, group["low"], group["full"])
+    assert plan.full_head.startswith("ref_twin:") and plan.reference == "twin"
+    assert plan.head["rho_tau_reference"] == "twin"
+    want = {k: v.float() for k, v in load_eagle(group["full"], target)[0].state_dict().items()}
+    for name, checkpoint in ((plan.full_head, group["full"]), (plan.variant, group["low"])):
+        got = drafter_of(plan, name).module.state_dict()
+        ref = {k: v.float() for k, v in load_eagle(checkpoint, target)[0].state_dict().items()}
+        assert all(torch.equal(got[k].float(), ref[k]) for k in ref)
+    assert not all(torch.equal(drafter_of(plan, plan.variant).module.state_dict()[k].float(), v)
+                   for k, v in want.items())   # the two drafters differ: the test can tell
+    plain = reference_plan(dummy, group["low"], None)
+    assert plain.full_head.startswith("ref_full_head:") and plain.reference == "backbone"
+    with pytest.raises(FlashSpecError, match="not trained the same way"):
+        reference_plan(dummy, group["low"], group["other"])
+    for other_head in (["head.rank=12", "head.init=svd"], ["head.rank=9", "head.init=svd"]):
+        with pytest.raises(FlashSpecError, match="rank-9 drafter"):
+            reference_plan(dummy, group["low"], group["full"], *other_head)
 
 
 def test_head_tags_resolve_against_the_targets_d():
