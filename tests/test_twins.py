@@ -119,6 +119,26 @@ def test_twins_share_data_and_settings_and_differ_in_head(group):
         check_twins(str(group["low"]), str(group["other"]))
     status = json.loads((group["root"] / "twins" / "twins.json").read_text())
     assert status["finished"] and set(status["heads"]) == {"full", "r9"}
+    assert not list((group["root"] / "cache").glob("*.partial"))   # removed once cached
+
+
+def test_generation_resumes_after_the_last_stored_group(dummy, tmp_path):
+    """A generation killed while writing its second job group continues after the first and
+    gives the tokens of an uninterrupted one (T = 1: each group samples from its own seed)."""
+    from flashspec.training.data import generate
+    target, tok = dummy
+    spec = DataSpec(datasets={"humaneval": 3}, samples={"humaneval": 2}, max_new_tokens=4,
+                    batch_size=1)   # 6 jobs: groups of 4 and 2
+    straight, _ = generate(target, tok, spec, False)
+    partial = tmp_path / "partial"
+    generate(target, tok, spec, False, partial=partial)
+    lines = (partial / "groups.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    (partial / "groups.jsonl").write_text(lines[0] + "\n" + lines[1][:40])   # a torn last line
+    resumed, meta = generate(target, tok, spec, False, partial=partial)
+    assert meta["generation"]["resumed_groups"] == 1
+    assert [s.tokens for s in resumed] == [s.tokens for s in straight]
+    assert len({tuple(s.tokens) for s in straight}) == len(straight)   # samples, not copies
 
 
 def composed(*overrides: str):
