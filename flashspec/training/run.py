@@ -134,6 +134,8 @@ def run_twins(target: LlamaLM, tokenizer, opts: JobOptions, heads: list[Any], lo
     out = Path(opts.out_dir)
     summaries: dict[str, dict[str, Any]] = {}
     for i, (label, tag) in enumerate(zip(heads, tags)):
+        if stop_at is not None and time.time() >= stop_at and summaries:
+            break   # no time left to start (or continue) the next twin in this call
         log.info("twin %d/%d: head %s (%s) in %s", i + 1, len(heads), label, tag, out / tag)
         sub = dataclasses.replace(
             opts, out_dir=out / tag, train_head=tag != FULL,
@@ -143,6 +145,7 @@ def run_twins(target: LlamaLM, tokenizer, opts: JobOptions, heads: list[Any], lo
                                    _Prefixed(logger, tag, i * opts.train.steps), prov, stop_at)
         if summaries[tag].get("paused"):
             break
+        log.info("twin %s done: %s", tag, summaries[tag].get("checkpoint"))
     status = {tag: {k: summaries.get(tag, {}).get(k) for k in ("paused", "steps", "twin_key",
                                                                   "checkpoint")}
               for tag in tags}
