@@ -17,6 +17,8 @@
 #                                                     # until the log says "twins finished"
 #   bash scripts/device/train_twins.sh fetch smollm2  # the 4 checkpoints + a tarball of their
 #                                                     # provenance, records, logs -> $OUT
+#   (here: checkpoints/smollm2_twin_<tag>.safetensors, <tag>/eagle_best.json from the tarball
+#   as checkpoints/smollm2_twin_<tag>.json; ρ_τ: docs/heads.md, a drafter entry with `twin:`)
 # Qwen2.5-Coder-1.5B: its Q4_K_M GGUF (1.1 GB) must be on the box first, at $QWEN_GGUF (e.g.
 # joined from 60 MiB parts that travel one call each: split -b 60M into .device/qwen/ here,
 # then `bash scripts/device/train_twins.sh qpart .device/qwen/partNN` per part, and `qjoin`):
