@@ -84,14 +84,14 @@ if [ "$WHAT" = smollm2 ]; then
         SOURCE=${SOURCE:-$SMOL_GGUF}
     fi
     TARGET=(target=smollm2 target.source=${SOURCE:-smollm2})
-    STEPS=${STEPS:-4000}         # per twin; about 14 steps/s at 64k tokens on an H200
+    STEPS=${STEPS:-4000}         # per twin: the data and 4 twins within one lent machine's hold (raise it when time allows)
     BATCH=${BATCH:-65536}
     N_SELF=${N_SELF:-"selfchat: 4000, selfmath: 1000, selfcode: 800"}
     SAMPLES=${SAMPLES:-"humaneval: 8, gsm8k: 2, mtbench: 8, selfchat: 1, selfmath: 1, selfcode: 1"}
     GEN_A=${GEN_A:-120}; GEN_B=${GEN_B:-120}; GEN_BATCH=${GEN_BATCH:-1024}
 else
     TARGET=(target=qwen2.5-coder-1.5b target.source=${SOURCE:-$QWEN_GGUF})
-    STEPS=${STEPS:-2000}         # the 1.5B target's features cost more per token than SmolLM2's
+    STEPS=${STEPS:-2000}         # a step costs more: d and V are 2.7 and 3.1 times SmolLM2's
     BATCH=${BATCH:-32768}
     N_SELF=${N_SELF:-"selfchat: 2000, selfmath: 500, selfcode: 1000"}
     SAMPLES=${SAMPLES:-"humaneval: 8, gsm8k: 1, mtbench: 4, selfchat: 1, selfmath: 1, selfcode: 1"}
