@@ -146,16 +146,17 @@ def run_twins(target: LlamaLM, tokenizer, opts: JobOptions, heads: list[Any], lo
         if summaries[tag].get("paused"):
             break
         log.info("twin %s done: %s", tag, summaries[tag].get("checkpoint"))
-    status = {tag: {k: summaries.get(tag, {}).get(k) for k in ("paused", "steps", "twin_key",
-                                                                  "checkpoint")}
-              for tag in tags}
-    finished = all(t in summaries and not summaries[t].get("paused") for t in tags)
+    state = {t: ("not started" if t not in summaries else
+                 f"paused at step {summaries[t]['steps']}" if summaries[t].get("paused") else "done")
+             for t in tags}
+    finished = all(v == "done" for v in state.values())
+    status = {t: {"state": state[t], **{k: summaries.get(t, {}).get(k)
+                                        for k in ("steps", "twin_key", "checkpoint")}}
+              for t in tags}
     write_text_atomic(out / "twins.json", json.dumps({"finished": finished, "heads": status},
                                                       indent=1) + "\n")
     log.info("twins %s: %s", "finished" if finished else "paused (rerun with resume to go on)",
-             {t: ("done" if t in summaries and not summaries[t].get("paused") else
-                  f"step {summaries[t]['steps']}" if t in summaries else "not started")
-              for t in tags})
+             state)
     return {"finished": finished, "heads": summaries}
 
 
