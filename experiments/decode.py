@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.harness import (RunDir, bench_method, build, build_arms, build_drafters, draft_context,
+from experiments.harness import (RunDir, bench_method, bench_specs, build, build_arms, build_drafters, draft_context,
                                  engine_options, load_target, make_planner,
                                  make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
@@ -214,19 +214,13 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
 
 def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
                   eos: list[int]) -> Plan:
-    """experiment=bench: ``experiment.methods`` maps a method name to its ``arms`` (pairs as in
-    ``drafters.arms``: ``[[ar, 0]]``, ``[[eagle_lr72, 4]]``, ``[[eagle_lr72, dyn15d6k4]]``) and
-    optionally its own ``runtime``, ``bandit`` (several arms; default the run's) and
-    ``planner`` (default none) — each a group option's name or a node (:func:`group_node`).
+    """experiment=bench: ``experiment.methods`` maps a method name to its arms and optionally
+    its own runtime, bandit and planner (:func:`experiments.harness.bench_method`).
     Every method is a SpecEngine over the run's target and drafters (built once: the target's
     fused layers and the drafters' kernel switches are the run runtime's), named by its key;
     ``ar`` (required) is the reference of every speedup and greedy_equal. A method set to null
     (``experiment.methods.tree_planner=null``) is left out."""
-    exp = cfg.experiment
-    specs = {str(k): v for k, v in exp.methods.items() if v is not None}
-    if "ar" not in specs:
-        raise FlashSpecError("experiment=bench needs a method named ar (the reference of every "
-                             f"speedup and greedy_equal); methods: {list(specs)}")
+    specs = bench_specs(cfg)
     ctx = draft_context(cfg, target, tokenizer)
     drafters = build_drafters(cfg.drafters, ctx)
     plan = Plan(methods=[], policy_arms=[])

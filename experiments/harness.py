@@ -185,6 +185,17 @@ class BenchMethod:
 BENCH_METHOD_KEYS = ("arms", "runtime", "bandit", "planner")
 
 
+def bench_specs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """experiment=bench's method entries by name, those set to null left out
+    (``experiment.methods.tree_planner=null``); ``ar``, the reference of every speedup and
+    greedy_equal, must be among them."""
+    specs = {str(k): v for k, v in cfg.experiment.methods.items() if v is not None}
+    if "ar" not in specs:
+        raise FlashSpecError("experiment=bench needs a method named ar (the reference of every "
+                             f"speedup and greedy_equal); methods: {list(specs)}")
+    return specs
+
+
 def bench_method(cfg: DictConfig, name: str, spec: Mapping[str, Any]) -> BenchMethod:
     """``experiment.methods.<name>``: ``arms`` (pairs as in ``drafters.arms``: ``[[ar, 0]]``,
     ``[[eagle_lr72, 4]]``, ``[[eagle_lr72, dyn15d6k4]]``), and optionally ``runtime`` (default:
@@ -199,6 +210,11 @@ def bench_method(cfg: DictConfig, name: str, spec: Mapping[str, Any]) -> BenchMe
                              f"got {got!r}")
     try:
         arms = config_arms({"arms": spec["arms"]})
+        names = list(cfg.drafters.get("drafters") or {}) if "drafters" in cfg else []
+        for arm in arms:
+            if arm.drafter is not None and arm.drafter not in names:
+                raise FlashSpecError(f"arm {arm.label} names drafter {arm.drafter!r}, not in "
+                                     f"the drafter set {names}")
         rt = build(group_node(cfg, "runtime", spec.get("runtime")))
         policy = None
         if len(arms) > 1 or spec.get("bandit") is not None:
@@ -271,11 +287,9 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
     if "bandit" in cfg and "drafters" in cfg:
         make_policy(cfg.bandit, max(1, len(config_arms(cfg.drafters))), int(cfg.seed))
     make_planner(cfg)
-    methods = exp.get("methods")
-    if isinstance(methods, DictConfig):   # experiment=bench: named methods, each built once
-        for name, spec in methods.items():
-            if spec is not None:
-                bench_method(cfg, str(name), spec)
+    if isinstance(exp.get("methods"), DictConfig):   # experiment=bench: each method built once
+        for name, spec in bench_specs(cfg).items():
+            bench_method(cfg, name, spec)
 
 
 # ----------------------------------------------------------------------------- the run directory
