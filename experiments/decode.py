@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.harness import (RunDir, bench_method, bench_specs, build, build_arms, build_drafters, draft_context,
-                                 engine_options, load_target, make_planner,
-                                 make_policy, prompt_set, run_dir, takes_head)
+from experiments.harness import (RunDir, bench_method, bench_specs, build, build_arms,
+                                 build_drafters, draft_context, engine_options, load_target,
+                                 make_planner, make_policy, prompt_set, run_dir, takes_head)
 from flashspec.bandits import Policy
 from flashspec.core import Arm, SamplingParams
 from flashspec.data import Prompt, chat_ids

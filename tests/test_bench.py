@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def composed(*overrides: str):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["experiment=bench", *overrides], return_hydra_config=True)
+        cfg = compose("config", overrides=["experiment=bench", *overrides],
+                      return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         cfg.output_dir = "/tmp/unused"
@@ -76,8 +77,10 @@ def test_a_methods_own_choices_reach_its_engine():
 
 @pytest.mark.parametrize("override,needle", [
     ("+experiment.methods.x={arms: [[nope, 4]]}", "experiment.methods.x: arm nope@4 names drafter"),
-    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], runtime: fast}", "runtime=fast: no conf/runtime/fast.yaml"),
-    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], gamma: 4}", "experiment.methods.x: give arms"),
+    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], runtime: fast}",
+     "runtime=fast: no conf/runtime/fast.yaml"),
+    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], gamma: 4}",
+     "experiment.methods.x: give arms"),
     ("experiment.methods.ar=null", "needs a method named ar"),
 ])
 def test_bad_method_entries_fail_at_composition(override, needle):
