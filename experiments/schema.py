@@ -149,9 +149,17 @@ COMMON: dict[str, Kind] = {
 
 DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,
           "timing_iters": POSITIVE, "batch_size": POSITIVE, "hf_prompt_lookup_tokens": POSITIVE,
-          "warmup": BOOL, "rotate_methods": BOOL, "records": TEXT,
+          "warmup": BOOL, "rotate_methods": BOOL, "records": TEXT, "max_turns": POSITIVE | NULL,
+          "prefill_all": BOOL,
           **{f"{where}.{k}": v for where in ("extra_bandits.*", "extra_bandits.*.inner")
              for k, v in BANDIT.items()}}
+
+# experiment=bench: the decode runner with named methods (experiments.harness.bench_method
+# checks each entry's keys and builds its objects).
+MAPPING = Kind("a mapping", lambda v: isinstance(v, (Mapping, DictConfig)))
+BENCH = {**{k: v for k, v in DECODE.items() if k != "methods"}, "methods": MAPPING,
+         "methods.*": MAPPING | NULL, "methods.*.arms": LIST,
+         **{f"methods.*.{k}": TEXT | MAPPING | NULL for k in ("runtime", "bandit", "planner")}}
 
 _HEAD = {k.removeprefix("head."): v for k, v in COMMON.items() if k.startswith("head.")}
 HEAD_DECODE = {"drafter_name": TEXT, "gamma": POSITIVE, "temperature": number(0),
@@ -215,7 +223,7 @@ TRAIN_DRAFTER = {
 
 # experiment.name -> its keys under ``experiment.``
 EXPERIMENTS: dict[str, dict[str, Kind]] = {
-    "decode": DECODE, "head_decode": HEAD_DECODE, "bandit_sim": BANDIT_SIM,
+    "decode": DECODE, "bench": BENCH, "head_decode": HEAD_DECODE, "bandit_sim": BANDIT_SIM,
     "head_bench": HEAD_BENCH, "kernel_bench": KERNEL_BENCH, "train_drafter": TRAIN_DRAFTER}
 
 
