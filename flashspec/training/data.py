@@ -275,7 +275,7 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
     stored, spent = read_partial(partial)
     out: list[Sequence_] = [s for g in sorted(stored) for s in stored[g]]
     budget = spec.time_budget_s - spent if spec.time_budget_s is not None else math.inf
-    deadline = time.perf_counter() + budget   # generation time of earlier calls counts
+    deadline = t0 + budget   # writing the prompts counts, and so does every earlier call's time
     bar = tqdm(total=sum(len(p.turns) for g in groups for p, _ in g), desc="generate", unit="seq",
                initial=len(out), disable=not progress)
     if stored:
@@ -288,13 +288,11 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
             log.info("generation budget %.0fs reached: %d of %d sequences", spec.time_budget_s,
                      len(out), bar.total)
             break
-        t_group = time.perf_counter()
         got = generate_group(engine, tokenizer, jobs, first, spec, bar, deadline, len(out),
                              derive_seed(spec.seed, ("distill-group", g)))
         out.extend(got)
-        spent += time.perf_counter() - t_group
         if partial is not None:
-            append_partial(partial, g, got, spent)
+            append_partial(partial, g, got, spent + time.perf_counter() - t0)
     bar.close()
     meta = {"synthetic": synthetic, "generation": {
         "wall_s": round(time.perf_counter() - t0, 2), "sequences": len(out),
@@ -304,7 +302,7 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
 
 def read_partial(partial: Path | None) -> tuple[dict[int, list[Sequence_]], float]:
     """The job groups stored by an interrupted generation (group index -> its sequences) and the
-    generation seconds they took; a torn last line (a call killed while writing) is dropped."""
+    seconds its calls spent on them (prompts written included); a torn last line (a call killed while writing) is dropped."""
     stored: dict[int, list[Sequence_]] = {}
     spent = 0.0
     path = partial / "groups.jsonl" if partial is not None else None
