@@ -1,4 +1,5 @@
-"""experiment=decode: target-only AR, speculative decoding and HF baselines on the same prompts.
+"""experiment=decode: target-only AR, speculative decoding and HF baselines on the same prompts;
+experiment=bench (experiments/bench.py) runs here too, with named methods (:func:`bench_methods`).
 
 Writes one JSONL record per (prompt, turn, method) into ``records.jsonl`` of the run
 directory, flushed as it goes; rerunning into the same directory resumes where it stopped.
@@ -20,9 +21,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.harness import (RunDir, build, build_arms, build_drafters, draft_context,
-                                 engine_options, load_target, make_planner,
-                                 make_policy, prompt_set, run_dir, takes_head)
+from experiments.harness import (TWIN, RunDir, bench_method, bench_specs, build, build_arms,
+                                 build_drafters, draft_context, drafter_builder, engine_options,
+                                 load_target, make_planner, make_policy, prompt_set, run_dir,
+                                 takes_head)
 from flashspec.bandits import Policy
 from flashspec.core import Arm, SamplingParams
 from flashspec.data import Prompt, chat_ids
@@ -135,6 +137,8 @@ class Plan:
     gamma: int = 0
     head: dict[str, Any] = field(default_factory=dict)
     policies: list[Policy] = field(default_factory=list)   # spec's, then the extra ones
+    reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
+    named: list[str] = field(default_factory=list)   # experiment=bench: role = method name
 
     @property
     def arm_names(self) -> list[str]:
@@ -145,6 +149,7 @@ class Plan:
         """Method name -> its role, the prefix of its metrics (identical across a sweep's jobs:
         ``spec`` is the configured method whatever the policy is called)."""
         out = {"ar": "ar", **{m.name: m.name for m in self.methods if m.name.startswith("hf_")},
+               **{m: m for m in self.named},
                **{m: f"arm/{self.arm_names[i]}" for i, m in self.arms.items()},
                **{m: f"extra/{m.removeprefix('spec:bandit:')}" for m in self.extra}}
         if self.full_head:
@@ -159,6 +164,8 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
     metrics need (``each_arm``: every arm alone; ``full_head``: the head-axis drafter with its
     full head), sharing one target model."""
     exp = cfg.experiment
+    if isinstance(exp.methods, DictConfig):
+        return bench_methods(cfg, target, tokenizer, params, eos)
     wanted = list(exp.methods) + [r for r in exp.get("references") or [] if r not in exp.methods]
     unknown = [m for m in wanted if m not in METHODS + REFERENCES]
     if unknown:
@@ -209,34 +216,89 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
     return plan
 
 
+def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
+                  eos: list[int]) -> Plan:
+    """experiment=bench: ``experiment.methods`` maps a method name to its arms and optionally
+    its own runtime, bandit and planner (:func:`experiments.harness.bench_method`).
+    Every method is a SpecEngine over the run's target and drafters (built once: the target's
+    fused layers and the drafters' kernel switches are the run runtime's), named by its key;
+    ``ar`` (required) is the reference of every speedup and greedy_equal. A method set to null
+    (``experiment.methods.tree_planner=null``) is left out."""
+    specs = bench_specs(cfg)
+    ctx = draft_context(cfg, target, tokenizer)
+    drafters = build_drafters(cfg.drafters, ctx)
+    plan = Plan(methods=[], policy_arms=[])
+    for name, spec in specs.items():
+        m = bench_method(cfg, name, spec)
+        try:
+            arms = build_arms({"arms": spec.arms}, drafters)
+        except FlashSpecError as e:
+            raise FlashSpecError(f"experiment.methods.{name}: {e}") from None
+        kw = {**engine_options(cfg, params, eos, m.runtime), "drafters": list(drafters.values())}
+        engine = SpecEngine(target, arms, m.policy, planner=m.planner, **kw)
+        plan.methods.append(engine_method(name, engine))
+        if name != "ar":
+            plan.named.append(name)
+    return plan
+
+
 def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms: list[Arm],
                          kw: dict) -> None:
-    """The ρ_τ reference: the first arm whose drafter takes the run's head choice, run with
-    that drafter's full head (same backbone, same γ, same prompts)."""
+    """The ρ_τ reference: the first arm whose drafter takes the run's head choice, run with a
+    full head, same γ, same prompts. With a ``twin`` in the drafter's entry (its full-head twin,
+    trained the same way: SlimSpec's ρ_τ) that drafter decodes (``ref_twin:<arm>``), after
+    checking the twin keys match; else the same backbone with the full head
+    (``ref_full_head:<arm>``). ``rho_tau_reference`` in the job metrics says which."""
     entries = cfg.drafters.drafters
     for i, arm in enumerate(arms):
         if arm.drafter is None or not takes_head(entries[arm.drafter]):
             continue
-        full = build(entries[arm.drafter], _partial_=True)(
-            ctx=ctx, name=arm.drafter, head=FullHeadChoice())
-        name = f"ref_full_head:{arm.label}"
+        entry = entries[arm.drafter]
+        twin = entry.get(TWIN)
+        choice = build(cfg.head)
+        rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
+            if isinstance(choice, LowRankChoice) else None
+        override = {}
+        if twin:
+            _check_twin_arm(entry, str(twin), arm.drafter, choice, rank)
+            override = {"checkpoint": str(twin)}
+        full = drafter_builder(entry)(ctx=ctx, name=arm.drafter, head=FullHeadChoice(), **override)
+        name = f"ref_{'twin' if twin else 'full_head'}:{arm.label}"
         engine = SpecEngine(ctx.target, [arm], **{**kw, "drafters": [full]})
         plan.methods.append(engine_method(name, engine, arm_key_of(
             cfg, arm, engine.policy.reward_kind, full_head=True)))
         plan.full_head, plan.variant, plan.gamma = name, f"spec:{arm.label}", arm.gamma
+        plan.reference = "twin" if twin else "backbone"
         variant = drafters[arm.drafter]
         plan.heads = (variant.head, full.head)
-        choice = build(cfg.head)
-        rank = resolve_rank(choice.rank, ctx.target.shape.hidden_size) \
-            if isinstance(choice, LowRankChoice) else None
         plan.head = {"drafter": arm.drafter, "kind": choice.kind, "rank": rank,
-                     "params": module_size(variant.head), "full_params": module_size(full.head)}
+                     "params": module_size(variant.head), "full_params": module_size(full.head),
+                     "rho_tau_reference": plan.reference}
         plan.arms.setdefault(i, plan.variant)
         if plan.variant not in (m.name for m in plan.methods):   # the variant arm alone, too
             engine = SpecEngine(ctx.target, [arm], **kw)
             plan.methods.append(engine_method(plan.variant, engine, arm_key_of(
                 cfg, arm, engine.policy.reward_kind)))
         return
+
+
+def _check_twin_arm(entry: DictConfig, twin: str, drafter: str, choice, rank: int | None) -> None:
+    """A twin reference is refused unless the drafter is the low-rank drafter of the twin's
+    group: same twin key, and the run's head is the one trained into its checkpoint (the
+    trained head of its rank, not an SVD or another file)."""
+    from flashspec.training.twins import check_twins, read_twin
+    if "checkpoint" not in entry:
+        raise FlashSpecError(f"drafters.{drafter}.twin needs a drafter trained from a checkpoint "
+                             "(drafters.<name>.checkpoint), the low-rank drafter of a twin group")
+    check_twins(str(entry.checkpoint), twin)
+    baked = read_twin(str(entry.checkpoint)).get("checkpoint_head") or {}
+    trained = isinstance(choice, LowRankChoice) and choice.init == "trained" and not choice.checkpoint
+    if not trained or baked.get("rank") != rank:
+        raise FlashSpecError(f"drafters.{drafter}.twin: {entry.checkpoint} is the twin group's "
+                             f"rank-{baked.get('rank')} drafter, the run's head is "
+                             f"{choice.kind} {getattr(choice, 'init', '')} rank {rank}; use its "
+                             "trained head (head=lowrank head.init=trained, head.rank its rank) "
+                             "or pick the checkpoint of the run's rank")
 
 
 def module_size(module: torch.nn.Module) -> int:
@@ -330,8 +392,10 @@ def arm_key(cfg: DictConfig, drafter: str, gamma: int, reward: str, full_head: b
     head replaces it), γ (and the tree shape of a tree arm) and the reward kind the records
     carry."""
     entry = OmegaConf.to_container(cfg.drafters.drafters[drafter], resolve=True)
-    if full_head:
-        entry = {**{k: v for k, v in entry.items() if k != "head"}, "head": "full"}
+    if full_head:   # the full head replaces the run's; a twin checkpoint the drafter's own
+        twin = {"checkpoint": entry[TWIN]} if entry.get(TWIN) else {}
+        entry = {**{k: v for k, v in entry.items() if k not in ("head", TWIN)}, **twin,
+                 "head": "full"}
     key = {"kind": "arm", "drafter": drafter, "entry": _with_file_hashes(entry),
            "gamma": int(gamma), "reward": reward}
     return key if tree is None else {**key, "tree": tree}
@@ -410,6 +474,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     dataset = prompt_set(cfg)
     max_new = 8 if cfg.smoke else dataset.max_new_tokens
     prompts = dataset.load(1 if cfg.smoke else None)
+    if exp.get("max_turns") is not None:   # MT-Bench first turns only (experiment=bench)
+        prompts = [dataclasses.replace(p, turns=p.turns[:int(exp.max_turns)]) for p in prompts]
     target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
     plan = build_methods(cfg, target, tokenizer, params, eos)
@@ -446,6 +512,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 m.run(warm, 4, None)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
+        if exp.get("prefill_all") and todo:
+            # Kernels specialise on prompt-length buckets: the first method to meet a new bucket
+            # would pay its compilation inside its timed call (with rotation, a different
+            # method each batch). Every method prefills every batch's first turn once, untimed.
+            t0 = time.perf_counter()
+            for m in todo:
+                for batch in batches:
+                    m.run([prompt_turn_ids(tokenizer, p, []) for p in batch], 2, None)
+            run.provenance["prefill_all_s"] = time.perf_counter() - t0
         if todo:
             log.info("decoding %d (prompt, turn) record(s) of %s: %s", sum(pending.values()),
                      dataset.name, ", ".join(f"{m.name} x{pending[m.name]}" for m in todo))
@@ -484,7 +559,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[dict[str, Any], list[float]]:
     """The papers' quantities of one job under flat keys (identical across jobs of a sweep):
     ``<role>/{alpha,tau,tps,decode_tps,speedup,step_p50_s,step_p99_s}`` for ar, spec,
-    ref_full_head, each arm (``arm/<name>/...``), extra policies and HF baselines; ``rho_tau``,
+    ref_full_head, each arm (``arm/<name>/...``), extra policies, HF baselines and bench
+    methods (``<method>/...``, with ``speedup_pooled``: pooled TPS over AR's); ``rho_tau``,
     ``nu``, ``kappa``, ``rho_tps_pred``, ``rho_tps_meas``; ``regret/final`` and the per-step
     series; ``arm_picks/<arm>``; the head's rank and size."""
     ar = method_records(records, "ar")
@@ -493,6 +569,10 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
         recs = method_records(records, method)
         if recs:
             job.update({f"{role}/{k}": v for k, v in decode_stats(recs, ar).items() if v is not None})
+    ar_tps = job.get("ar/tps")
+    for name in plan.named:   # the bench's ratio: pooled tokens per second over AR's
+        if ar_tps and job.get(f"{name}/tps") is not None:
+            job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)
@@ -512,6 +592,7 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
         step_s = sum(r["decode_s"] for r in full) / steps if steps else None
         if tau_v and tau_f and step_s:
             job["rho_tau"] = tau_v / tau_f
+            job["rho_tau_reference"] = plan.reference   # twin | backbone
             job["nu"] = lat_v / lat_f
             job["kappa"] = kappa(plan.gamma, lat_f, step_s)
             job["rho_tps_pred"] = rho_tps(job["rho_tau"], job["nu"], job["kappa"])

@@ -9,8 +9,10 @@ and this module instantiates it. Groups that need run-time arguments are partial
 """
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -83,11 +85,25 @@ def draft_context(cfg: DictConfig, target, tokenizer) -> DraftContext:
                         kernels=runtime(cfg).kernels)
 
 
+# A drafter entry's option that its builder does not take: the checkpoint of the drafter's
+# full-head twin (experiment=train_drafter experiment.heads=[...]), which experiment=decode's
+# ρ_τ reference decodes with instead of the drafter's own backbone under the full head.
+TWIN = "twin"
+
+
+def drafter_builder(entry: DictConfig):
+    """The entry's builder, a partial called with ctx and name (and any override), without the
+    entry's ``twin`` option."""
+    make = build(entry, _partial_=True)
+    return functools.partial(make.func, *make.args,
+                             **{k: v for k, v in make.keywords.items() if k != TWIN})
+
+
 def build_drafters(cfg_drafters: DictConfig, ctx: DraftContext) -> dict[str, Drafter]:
     """Every drafter of the set, by name (each entry is a partial called with ctx and name)."""
     out: dict[str, Drafter] = {}
     for name, entry in (cfg_drafters.get("drafters") or {}).items():
-        out[name] = build(entry, _partial_=True)(ctx=ctx, name=name)
+        out[name] = drafter_builder(entry)(ctx=ctx, name=name)
     return out
 
 
@@ -144,9 +160,94 @@ def make_planner(cfg: DictConfig) -> WidthPlanner | None:
     return build(node) if node and "_target_" in node else None
 
 
-def engine_options(cfg: DictConfig, params, eos: list[int]) -> dict[str, Any]:
-    """SpecEngine keyword arguments shared by every method of a run."""
-    rt = runtime(cfg)
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def group_node(cfg: DictConfig, group: str, choice: Any) -> DictConfig | None:
+    """A bench method's own choice in a config group: None keeps the run's; a name loads that
+    option's file (``runtime: eager``, ``planner: goodput``, ``bandit: ucb1_tps``: the files the
+    command line picks from); a mapping with ``_target_`` is the node itself, one without it is
+    merged onto the run's node (``runtime: {resident_chunk: 4}``)."""
+    if choice is None:
+        return cfg.get(group)
+    if isinstance(choice, str):
+        path = CONF / group / f"{choice}.yaml"
+        if not path.is_file():
+            options = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+            raise FlashSpecError(f"{group}={choice}: no conf/{group}/{choice}.yaml; options: "
+                                 f"{', '.join(options)}")
+        node = OmegaConf.load(path)
+        if "defaults" in node:   # a file that composes others needs Hydra, not a plain load
+            raise FlashSpecError(f"conf/{group}/{choice}.yaml has a defaults list; a bench "
+                                 "method names only plain options of a group")
+        return node
+    if "_target_" in choice:
+        return choice
+    return OmegaConf.merge(cfg.get(group) or {}, choice)
+
+
+@dataclass
+class BenchMethod:
+    """One method of experiment=bench built from its entry: arms (from the config alone), the
+    runtime its engine runs, its policy (None: a single arm played alone) and planner."""
+
+    arms: list[Arm]
+    runtime: Runtime
+    policy: Policy | None
+    planner: WidthPlanner | None
+
+
+BENCH_METHOD_KEYS = ("arms", "runtime", "bandit", "planner")
+
+
+def bench_specs(cfg: DictConfig) -> dict[str, DictConfig]:
+    """experiment=bench's method entries by name, those set to null left out
+    (``experiment.methods.tree_planner=null``); ``ar``, the reference of every speedup and
+    greedy_equal, must be among them."""
+    specs = {str(k): v for k, v in cfg.experiment.methods.items() if v is not None}
+    if "ar" not in specs:
+        raise FlashSpecError("experiment=bench needs a method named ar (the reference of every "
+                             f"speedup and greedy_equal); methods: {list(specs)}")
+    return specs
+
+
+def bench_method(cfg: DictConfig, name: str, spec: Mapping[str, Any]) -> BenchMethod:
+    """``experiment.methods.<name>``: ``arms`` (pairs as in ``drafters.arms``: ``[[ar, 0]]``,
+    ``[[eagle_lr72, 4]]``, ``[[eagle_lr72, dyn15d6k4]]``), and optionally ``runtime`` (default:
+    the run's), ``bandit`` (default: the run's when there are several arms) and ``planner``
+    (default: none), each a group option's name or a node (:func:`group_node`). Built at
+    composition too (:func:`validate`), so a bad entry fails before any model loads."""
+    where = f"experiment.methods.{name}"
+    if not isinstance(spec, (Mapping, DictConfig)) or "arms" not in spec \
+            or set(spec) - set(BENCH_METHOD_KEYS):
+        got = sorted(spec) if isinstance(spec, (Mapping, DictConfig)) else spec
+        raise FlashSpecError(f"{where}: give arms and optionally runtime, bandit, planner; "
+                             f"got {got!r}")
+    try:
+        arms = config_arms({"arms": spec["arms"]})
+        names = list(cfg.drafters.get("drafters") or {}) if "drafters" in cfg else []
+        for arm in arms:
+            if arm.drafter is not None and arm.drafter not in names:
+                raise FlashSpecError(f"arm {arm.label} names drafter {arm.drafter!r}, not in "
+                                     f"the drafter set {names}")
+        rt = build(group_node(cfg, "runtime", spec.get("runtime")))
+        policy = None
+        if len(arms) > 1 or spec.get("bandit") is not None:
+            policy = make_policy(group_node(cfg, "bandit", spec.get("bandit")), len(arms),
+                                 int(cfg.seed))
+        node = group_node(cfg, "planner", spec.get("planner") or "none")
+        planner = build(node) if node and "_target_" in node else None
+    except FlashSpecError as e:
+        raise FlashSpecError(f"{where}: {e}") from None
+    return BenchMethod(arms, rt, policy, planner)
+
+
+def engine_options(cfg: DictConfig, params, eos: list[int], rt: Runtime | None = None
+                   ) -> dict[str, Any]:
+    """SpecEngine keyword arguments shared by every method of a run; ``rt``: a method's own
+    runtime in place of the run's (experiment=bench: an eager or graphed AR beside the resident
+    one on the same target)."""
+    rt = rt or runtime(cfg)
     return dict(params=params, backend=get_backend(rt.verify_backend, rt.kernels),
                 seed=int(cfg.seed), eos_ids=eos, graphs=rt.cuda_graphs, compile=rt.compile_step,
                 resident=rt.resident_loop, chunk=rt.resident_chunk)
@@ -201,6 +302,9 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
     if "bandit" in cfg and "drafters" in cfg:
         make_policy(cfg.bandit, max(1, len(config_arms(cfg.drafters))), int(cfg.seed))
     make_planner(cfg)
+    if isinstance(exp.get("methods"), DictConfig):   # experiment=bench: each method built once
+        for name, spec in bench_specs(cfg).items():
+            bench_method(cfg, name, spec)
 
 
 # ----------------------------------------------------------------------------- the run directory

@@ -151,9 +151,17 @@ COMMON: dict[str, Kind] = {
 
 DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,
           "timing_iters": POSITIVE, "batch_size": POSITIVE, "hf_prompt_lookup_tokens": POSITIVE,
-          "warmup": BOOL, "rotate_methods": BOOL, "records": TEXT,
+          "warmup": BOOL, "rotate_methods": BOOL, "records": TEXT, "max_turns": POSITIVE | NULL,
+          "prefill_all": BOOL,
           **{f"{where}.{k}": v for where in ("extra_bandits.*", "extra_bandits.*.inner")
              for k, v in BANDIT.items()}}
+
+# experiment=bench: the decode runner with named methods (experiments.harness.bench_method
+# checks each entry's keys and builds its objects).
+MAPPING = Kind("a mapping", lambda v: isinstance(v, (Mapping, DictConfig)))
+BENCH = {**{k: v for k, v in DECODE.items() if k != "methods"}, "methods": MAPPING,
+         "methods.*": MAPPING | NULL, "methods.*.arms": LIST,
+         **{f"methods.*.{k}": TEXT | MAPPING | NULL for k in ("runtime", "bandit", "planner")}}
 
 _HEAD = {k.removeprefix("head."): v for k, v in COMMON.items() if k.startswith("head.")}
 HEAD_DECODE = {"drafter_name": TEXT, "gamma": POSITIVE, "temperature": number(0),
@@ -198,6 +206,8 @@ _DATA = {**SAMPLING, "max_new_tokens": POSITIVE, "batch_size": POSITIVE, "split"
 TRAIN_DRAFTER = {
     "threads": POSITIVE | NULL, "cache_dir": TEXT, "export": TEXT | NULL, "train_head": BOOL,
     "save_dtype": choice("float16", "bfloat16", "float32"),
+    "heads": LIST | NULL, "heads.*": TEXT | POSITIVE, "resume": BOOL, "save_every": COUNT,
+    "call_budget_s": SECONDS, "call_steps": POSITIVE | NULL, "data_only": BOOL,
     **{f"data.{k}": v for k, v in _DATA.items()},
     **{f"data_mix.*.{k}": v for k, v in _DATA.items()},
     **{f"train.{k}": v for k, v in {
@@ -215,7 +225,7 @@ TRAIN_DRAFTER = {
 
 # experiment.name -> its keys under ``experiment.``
 EXPERIMENTS: dict[str, dict[str, Kind]] = {
-    "decode": DECODE, "head_decode": HEAD_DECODE, "bandit_sim": BANDIT_SIM,
+    "decode": DECODE, "bench": BENCH, "head_decode": HEAD_DECODE, "bandit_sim": BANDIT_SIM,
     "head_bench": HEAD_BENCH, "kernel_bench": KERNEL_BENCH, "train_drafter": TRAIN_DRAFTER}
 
 

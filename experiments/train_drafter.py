@@ -11,6 +11,12 @@ Regenerate the committed checkpoint (CPU, ~25 min training once the data is cach
     python run.py experiment=train_drafter logger=wandb_offline \
         experiment.export=checkpoints/smollm2_eagle.safetensors
 
+Twins (one drafter per head, the same data, settings and seed: ρ_τ compares like with like),
+resumable in short calls (rerun the same line until ``twins.json`` says finished):
+
+    python run.py experiment=train_drafter 'experiment.heads=[full,d/8,d/16,d/32]' \
+        experiment.resume=true experiment.call_budget_s=480 output_dir=outputs/twins_smollm2
+
 Without Hydra/W&B (e.g. on a GPU box): ``python -m experiments.train_drafter --device cuda
 --out DIR [--steps N --batch-tokens N --set train.unroll=3 ...]`` (or ``python -m
 flashspec.training``, which does not import the experiments package).
@@ -24,14 +30,22 @@ from typing import Any
 from flashspec.training.cli import SMOKE_DATA, SMOKE_TRAIN, main
 
 
+# per-invocation keys: a run continued by a series of calls may change them between calls
+CALL_KEYS = ("resume", "call_budget_s", "call_steps", "data_only")
+
+
 def run(cfg) -> dict[str, Any]:
-    """Hydra entry: target/hardware/head/logger from their groups, knobs from cfg.experiment."""
+    """Hydra entry: target/hardware/head/logger from their groups, knobs from cfg.experiment.
+
+    ``experiment.heads=[full, d/8, ...]`` trains a twin group (:func:`run_twins`) instead of one
+    drafter with the ``head`` group's choice."""
     import torch
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
     from experiments.harness import build, load_target, run_dir
     from flashspec.heads import LowRankChoice
     from flashspec.paths import repo_path
-    from flashspec.training.run import JobOptions, data_specs, run_job, train_config
+    from flashspec.training.run import (JobOptions, data_specs, load_data, run_job, run_twins,
+                                        train_config)
 
     exp = OmegaConf.to_container(cfg.experiment, resolve=True)
     if exp.get("threads"):
@@ -41,16 +55,29 @@ def run(cfg) -> dict[str, Any]:
     tr = {"seed": int(cfg.seed), **exp["train"], **(SMOKE_TRAIN if cfg.smoke else {})}
     out = Path(cfg.output_dir)
     cache = out / "eagle_data" if cfg.smoke else repo_path(exp.get("cache_dir") or ".cache/eagle_data")
+    heads = exp.get("heads")
     opts = JobOptions(data=data_specs(data, mix), train=train_config(tr), out_dir=out, cache_dir=cache,
                       source=str(cfg.target.source), save_dtype=exp.get("save_dtype", "float16"),
                       export=None if cfg.smoke else exp.get("export"),
-                      train_head=bool(exp.get("train_head", False)))
+                      train_head=bool(exp.get("train_head", False)),
+                      resume=bool(exp.get("resume", False)),
+                      save_every=int(exp.get("save_every") or 0),
+                      call_budget_s=exp.get("call_budget_s"), call_steps=exp.get("call_steps"))
     target, tokenizer = load_target(cfg)
-    choice = build(cfg.head)
-    if isinstance(choice, LowRankChoice) and choice.init == "trained":   # what it starts from
-        choice = replace(choice, init="svd")
-    head = choice.build(target.lm_head_weight, None, "train_drafter")
-    with run_dir(cfg, "train_records.jsonl") as run:
+    stored = cfg.copy()   # what the run directory is tied to: the run, not this call's limits
+    with open_dict(stored):
+        for key in CALL_KEYS:
+            stored.experiment.pop(key, None)
+    with run_dir(stored, "train_records.jsonl") as run:
+        if exp.get("data_only"):
+            d = load_data(target, tokenizer, opts)
+            return {"data_key": d.meta.get("key"), "n_sequences": len(d), "n_tokens": d.n_tokens}
+        if heads:
+            return run_twins(target, tokenizer, opts, list(heads), run.logger, run.provenance)
+        choice = build(cfg.head)
+        if isinstance(choice, LowRankChoice) and choice.init == "trained":   # what it starts from
+            choice = replace(choice, init="svd")
+        head = choice.build(target.lm_head_weight, None, "train_drafter")
         return run_job(target, tokenizer, opts, head, run.logger, run.provenance)
 
 

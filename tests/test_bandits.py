@@ -289,3 +289,23 @@ def test_rate_thompson_does_not_lock_out_an_arm_after_two_zero_rewards():
         return arms
     assert run()[-100:].count(0) > 90
     assert run(prior_weight=0.0).count(0) == 0
+
+
+def test_discounted_rate_thompson_follows_a_switch_of_the_best_arm():
+    """Arm 0 makes 60 tok/s and arm 1 40 for 1,000 steps, then they swap (a stream moving from
+    chat to code editing). In the 200 steps after the switch the discounted policy plays the new
+    best arm most of the time on every seed; the undiscounted one, whose pooled estimates still
+    favour arm 0, rarely does."""
+    def share_after_switch(seed: int, **kw) -> float:
+        pol, rng, arms = RateThompson(2, seed, **kw), np.random.default_rng(seed + 10), []
+        for t in range(1200):
+            a = pol.select()
+            arms.append(a)
+            mean = (60.0, 40.0)[a] if t < 1000 else (40.0, 60.0)[a]
+            pol.update(a, max(mean + 8.0 * rng.standard_normal(), 0.0), 0.03)
+        return arms[1000:].count(1) / 200
+    seeds = range(3)
+    assert min(share_after_switch(s, discount=0.98) for s in seeds) > 0.75
+    assert np.mean([share_after_switch(s) for s in seeds]) < 0.3
+    with pytest.raises(FlashSpecError, match="discount"):
+        RateThompson(2, 0, discount=0.0)

@@ -25,23 +25,38 @@ class RateThompson(Policy):
     from being locked out for good. Each step plays the arm with the largest draw
     R̂ + explore · sd · N(0, 1); an arm seen fewer than ``min_pulls`` times plays first.
     Rewards are not squashed to [0, 1], so ``reward_scale`` does not matter here.
+
+    ``discount`` < 1 makes it a policy for streams whose best arm changes (a prompt stream that
+    moves between code, chat and editing): before each update every arm's sums and counts are
+    multiplied by it, so evidence fades with a memory of about 1 / (1 − discount) steps, and an
+    arm left alone long enough falls back under ``min_pulls`` and is tried again.
     """
 
     name = "rate_thompson"
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, explore: float = 1.0,
-                 min_pulls: int = 2, prior_weight: float = 1.0, **kw: float) -> None:
+                 min_pulls: int = 2, prior_weight: float = 1.0, discount: float = 1.0,
+                 **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
         if not explore >= 0 or int(min_pulls) < 2 or not prior_weight >= 0:
             raise FlashSpecError(f"bandit={self.name}: explore={explore} and "
                                  f"prior_weight={prior_weight} must be >= 0 and "
                                  f"min_pulls={min_pulls} >= 2 (a variance needs two steps)")
+        if not 0.0 < discount <= 1.0:
+            raise FlashSpecError(f"bandit={self.name}: discount={discount} must lie in (0, 1]")
+        self.discount = float(discount)
+        if self.discount < 1.0:
+            self.name = "d_rate_thompson"
         self.explore, self.min_pulls = float(explore), int(min_pulls)
         self.prior_weight = float(prior_weight)
         shape = (self.n_envs, self.n_arms)
         self._x, self._xx, self._xc, self._cc = (np.zeros(shape) for _ in range(4))
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
+        if self.discount < 1.0:
+            for sums in (self._x, self._xx, self._xc, self._cc, self._counts, self._sums,
+                         self._cost_sums):
+                sums *= self.discount
         seen = ~np.isnan(r)
         x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
         cost = np.where(seen, np.nan_to_num(c), 0.0)

@@ -12,7 +12,12 @@ there, ``softmax(lm_head(feature))``, is stored as its top-k log-probabilities (
 mass is one "tail" bucket in the training loss).
 
 The result (tokens, offsets, features, prompt ids) is cached under ``.cache/eagle_data/<key>``,
-keyed by everything that shapes it, so reruns skip generation.
+keyed by everything that shapes it, so reruns skip generation. Generation resumes: each job
+group's sequences are appended to ``<key>.partial/groups.jsonl`` as it finishes, and each group
+samples from its own seed (seed, group index), so a call killed part way loses at most the group
+it was in, and the next call continues after the last stored group with the same tokens an
+uninterrupted run gives (a time budget counts the generation time of every call). The feature
+pass that follows is not resumable: a call killed in it redoes it (from the stored sequences).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +42,7 @@ from flashspec.models.llama import LlamaLM
 from flashspec.paths import temp_sibling, write_text_atomic
 
 log = logging.getLogger(__name__)
-FORMAT = "flashspec-distill-v1"
+FORMAT = "flashspec-distill-v2"  # v2: sampling seeded per job group (resumable generation)
 GROUP_BATCHES = 4   # generation batches per job group (turn 2 follows turn 1 inside a group)
 PREFILL_TOKENS = 393216  # rows x longest prompt per engine call (bounds the prefill's attention)
 
@@ -148,7 +154,8 @@ def load_or_build(target: LlamaLM, tokenizer, spec: DataSpec, cache_root: Path, 
         log.info("distill data: cache hit %s", folder)
         return DistillData.load(folder)
     tag = target_tag(target, source)
-    seqs, gen_meta = generate(target, tokenizer, spec, progress, cache_root, tag)
+    partial = folder.with_name(folder.name + ".partial") if save else None
+    seqs, gen_meta = generate(target, tokenizer, spec, progress, cache_root, tag, partial)
     t0 = time.perf_counter()
     feats = features(target, [s.tokens for s in seqs], spec.topk, progress=progress)
     gen_meta["features_s"] = round(time.perf_counter() - t0, 2)
@@ -156,6 +163,7 @@ def load_or_build(target: LlamaLM, tokenizer, spec: DataSpec, cache_root: Path, 
                               "key": folder.name, "prompt_ids": prompt_ids(seqs), **gen_meta})
     if save:
         data.save(folder)
+        shutil.rmtree(partial, ignore_errors=True)
     log.info("distill data: %d sequences, %d tokens (%d response) -> %s", len(data),
              data.n_tokens, data.n_response_tokens, folder if save else "(not saved)")
     return data
@@ -237,11 +245,14 @@ def job_groups(prompts: Sequence, spec: DataSpec, group: int) -> list[list[tuple
 
 @torch.inference_mode()
 def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
-             cache_root: Path | None = None, tag: str = "") -> tuple[list[Sequence_], dict[str, Any]]:
+             cache_root: Path | None = None, tag: str = "", partial: Path | None = None
+             ) -> tuple[list[Sequence_], dict[str, Any]]:
     """Sampled continuations of every (prompt, sample, turn), batched through the engine, and
-    what was generated (synthetic prompt provenance, wall time, whether the budget cut it)."""
+    what was generated (synthetic prompt provenance, wall time, whether the budget cut it).
+    ``partial``: a folder where finished job groups are stored and resumed from."""
     from flashspec.core import Arm
     from flashspec.engine import SpecEngine
+    from flashspec.seeds import derive_seed
     from flashspec.training.prompts import synth_prompts
     from flashspec.core import SamplingParams
 
@@ -261,21 +272,60 @@ def generate(target: LlamaLM, tokenizer, spec: DataSpec, progress: bool = True,
                         **({"graphs": True} if spec.engine_graphs else {}))
     groups = job_groups(prompts, spec, GROUP_BATCHES * spec.batch_size)
     first = {p.id: first_turn_ids(tokenizer, p) for p in prompts}
-    deadline = t0 + spec.time_budget_s if spec.time_budget_s is not None else math.inf
-    out: list[Sequence_] = []
+    stored, spent = read_partial(partial)
+    out: list[Sequence_] = [s for g in sorted(stored) for s in stored[g]]
+    budget = spec.time_budget_s - spent if spec.time_budget_s is not None else math.inf
+    deadline = t0 + budget   # writing the prompts counts, and so does every earlier call's time
     bar = tqdm(total=sum(len(p.turns) for g in groups for p, _ in g), desc="generate", unit="seq",
-               disable=not progress)
-    for jobs in groups:
-        out.extend(generate_group(engine, tokenizer, jobs, first, spec, bar, deadline, len(out)))
-        if time.perf_counter() > deadline:
+               initial=len(out), disable=not progress)
+    if stored:
+        log.info("distill data: resuming generation after %d stored job groups (%d sequences) "
+                 "in %s", len(stored), len(out), partial)
+    for g, jobs in enumerate(groups):
+        if g in stored:
+            continue
+        if time.perf_counter() > deadline and out:
             log.info("generation budget %.0fs reached: %d of %d sequences", spec.time_budget_s,
                      len(out), bar.total)
             break
+        got = generate_group(engine, tokenizer, jobs, first, spec, bar, deadline, len(out),
+                             derive_seed(spec.seed, ("distill-group", g)))
+        out.extend(got)
+        if partial is not None:
+            append_partial(partial, g, got, spent + time.perf_counter() - t0)
     bar.close()
     meta = {"synthetic": synthetic, "generation": {
         "wall_s": round(time.perf_counter() - t0, 2), "sequences": len(out),
-        "planned": bar.total, "budget_s": spec.time_budget_s}}
+        "planned": bar.total, "budget_s": spec.time_budget_s, "resumed_groups": len(stored)}}
     return out, meta
+
+
+def read_partial(partial: Path | None) -> tuple[dict[int, list[Sequence_]], float]:
+    """The job groups stored by an interrupted generation (group index -> its sequences) and the
+    seconds its calls spent on them (prompts written included); a torn last line (a call killed while writing) is dropped."""
+    stored: dict[int, list[Sequence_]] = {}
+    spent = 0.0
+    path = partial / "groups.jsonl" if partial is not None else None
+    if path is None or not path.is_file():
+        return stored, spent
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        stored[int(rec["group"])] = [Sequence_(**s) for s in rec["sequences"]]
+        spent = float(rec["spent_s"])
+    return stored, spent
+
+
+def append_partial(partial: Path, group: int, seqs: Sequence[Sequence_], spent: float) -> None:
+    """One finished job group, appended and flushed to disk before the next group starts."""
+    partial.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"group": group, "spent_s": spent, "sequences": [asdict(s) for s in seqs]})
+    with open(partial / "groups.jsonl", "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def first_turn_ids(tokenizer, prompt) -> list[int]:
@@ -285,10 +335,12 @@ def first_turn_ids(tokenizer, prompt) -> list[int]:
 
 
 def generate_group(engine, tokenizer, jobs: Sequence[tuple[Any, int]], first: dict[str, list[int]],
-                   spec: DataSpec, bar, deadline: float = math.inf, done_before: int = 0
-                   ) -> list[Sequence_]:
+                   spec: DataSpec, bar, deadline: float = math.inf, done_before: int = 0,
+                   seed: int | None = None) -> list[Sequence_]:
     """All turns of a group of jobs (turn t+1 follows the sample's own turn-t answer), batched
-    by length; no engine call starts after ``deadline`` (perf_counter time)."""
+    by length; no engine call starts after ``deadline`` (perf_counter time). ``seed`` restarts
+    the engine's random streams at the group's first call: its tokens do not depend on the
+    groups generated before it (or on whether they were generated by this process)."""
     from flashspec.data import chat_ids
     answers: dict[tuple[str, int], list[str]] = {(p.id, k): [] for p, k in jobs}
     out: list[Sequence_] = []
@@ -301,7 +353,8 @@ def generate_group(engine, tokenizer, jobs: Sequence[tuple[Any, int]], first: di
         for chunk in length_batches(order, [len(x) for x in ids], spec.batch_size):
             if time.perf_counter() > deadline and (out or done_before):
                 return out  # (the first call always runs: a part is never empty)
-            res = engine.generate([ids[i] for i in chunk], spec.max_new_tokens)
+            res = engine.generate([ids[i] for i in chunk], spec.max_new_tokens, seed=seed)
+            seed = None   # the group's later calls continue its stream
             for i, row in zip(chunk, res.rows):
                 p, k = live[i]
                 if not last_turn[i]:

@@ -15,15 +15,23 @@ one [M, V] float32 buffer. The same code runs on CPU and CUDA (bf16 autocast on 
 Throughput: the data is moved to the device once (:class:`Store`), a batch is built from
 host-known index tensors by gathers on the device, and the loop reads the device only every
 ``log_every`` steps (fused AdamW and TF32 matmuls on CUDA).
+
+Resumable (:class:`Resumable`): the loop writes its whole state (module, trained head,
+optimiser, step, every random stream, the epoch's remaining batches, best τ so far) to one file
+every ``every`` steps and when a call's time or step limit comes, and a later call continues from
+it bit for bit: k steps + pause + resume + k steps give the same weights as 2k straight, so a
+long run fits in device calls of a few minutes.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import math
+import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,6 +43,7 @@ from flashspec.drafters.eagle import EagleDrafter
 from flashspec.drafters.eagle_module import EagleConfig, EagleModule
 from flashspec.errors import FlashSpecError
 from flashspec.models.llama import LlamaLM
+from flashspec.paths import temp_sibling
 from flashspec.training.data import DistillData
 
 log = logging.getLogger(__name__)
@@ -474,6 +483,49 @@ class TrainResult:
     best_tau: float | None
     history: list[dict[str, Any]]
     wall_s: float
+    paused: bool = False    # stopped at a call's limit with its state saved (not finished)
+
+
+STATE_FORMAT = "flashspec-train-state-v1"
+
+
+@dataclass
+class Resumable:
+    """Where a run keeps its state and when this call stops: the state file ``path`` is written
+    every ``every`` steps (0: only when pausing) and when the call pauses, at ``stop_at``
+    (time.time()) or after training ``call_steps`` steps; with ``resume`` a call continues from the state in
+    ``path`` (a fresh start when there is none). ``fingerprint`` names what the state must have
+    been trained on (data and config): a state of anything else is refused, never continued."""
+
+    path: Path
+    every: int = 0
+    stop_at: float | None = None
+    call_steps: int | None = None
+    resume: bool = True
+    fingerprint: str = ""
+
+    def load(self, cfg: TrainConfig) -> dict[str, Any] | None:
+        """The saved state to continue from, or None (no file, or ``resume`` off)."""
+        if not self.resume or not Path(self.path).is_file():
+            return None
+        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        if state.get("format") != STATE_FORMAT:
+            raise FlashSpecError(f"{self.path} is not a training state ({state.get('format')!r})")
+        if state["fingerprint"] != self.fingerprint or state["config"] != asdict(cfg):
+            diff = sorted(k for k, v in asdict(cfg).items() if state["config"].get(k) != v)
+            raise FlashSpecError(
+                f"{self.path} holds a run of other data or settings (differing train keys: "
+                f"{diff or 'none; the data differs'}); continue it with its own settings, or "
+                "set experiment.resume=false to start over")
+        return state
+
+    def save(self, state: dict[str, Any]) -> None:
+        """Write the state atomically (a call killed while writing leaves the previous one)."""
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_sibling(path)
+        torch.save({"format": STATE_FORMAT, "fingerprint": self.fingerprint, **state}, tmp)
+        os.replace(tmp, path)
 
 
 def lr_at(step: int, elapsed: float, cfg: TrainConfig) -> float:
@@ -492,13 +544,15 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
           evalset: EvalSet | None = None, eos: Sequence[int] = (),
           log_fn: Callable[[dict[str, Any], int], None] | None = None,
           on_best: Callable[[EagleModule, nn.Module | None, dict[str, Any]], None] | None = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, resumable: Resumable | None = None) -> TrainResult:
     """Train a drafter on ``data``; evaluates greedy τ every ``eval_every`` steps and at the end.
 
     ``head``: the drafter's head (default the target's frozen one); its trainable parameters
     are trained too. ``on_best(module, head, record)`` fires on every new best held-out τ.
     The data is moved to the target's device once; the loop reads the device (a sync) only
-    every ``log_every`` steps and at evaluations.
+    every ``log_every`` steps and at evaluations. ``resumable``: continue from a saved state,
+    save it as it goes, and pause (``TrainResult.paused``, no final evaluation) at the call's
+    limit.
     """
     torch.manual_seed(cfg.seed)
     dev_type = torch.device(target.device).type
@@ -521,6 +575,33 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
     history: list[dict[str, Any]] = []
     best_tau, best_step = None, -1
     t0, running = time.perf_counter(), {}
+    trained_head = head is not None and any(p.requires_grad for p in head.parameters())
+    start = 0
+    state = resumable.load(cfg) if resumable is not None else None
+    if state is not None:
+        module.load_state_dict(state["module"])
+        if trained_head:
+            head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        gen.set_state(state["gen"])
+        torch.set_rng_state(state["torch_rng"])
+        if dev_type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], torch.device(target.device))
+        queue, history, running = state["queue"], state["history"], state["running"]
+        best_tau, best_step, start = state["best_tau"], state["best_step"], state["step"]
+        t0 -= state["train_s"]   # elapsed time (a time-budgeted schedule) continues too
+        log.info("resuming %s at step %d of %d", resumable.path, start, cfg.steps)
+
+    def save_state(step: int) -> None:
+        resumable.save({
+            "step": step, "config": asdict(cfg), "module": module.state_dict(),
+            "head": head.state_dict() if trained_head else None, "opt": opt.state_dict(),
+            "rng": rng.getstate(), "gen": gen.get_state(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(torch.device(target.device))
+            if dev_type == "cuda" else None,
+            "queue": queue, "history": history, "running": running, "best_tau": best_tau,
+            "best_step": best_step, "train_s": time.perf_counter() - t0})
 
     def evaluate(step: int) -> None:
         nonlocal best_tau, best_step
@@ -542,14 +623,27 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
             log_fn(rec, step)
         log.info("step %d: %s", step, {k: round(v, 4) for k, v in rec.items() if isinstance(v, float)})
 
-    bar = tqdm(total=cfg.steps, desc="train eagle", unit="step", disable=not progress)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train eagle", unit="step",
+               disable=not progress)
     module.train()
-    step = 0
-    for step in range(cfg.steps):
+    step = start
+    for step in range(start, cfg.steps):
         elapsed = time.perf_counter() - t0
         if cfg.time_budget_s and elapsed > cfg.time_budget_s:
             log.info("time budget %.0fs reached at step %d", cfg.time_budget_s, step)
             break
+        if resumable is not None and step > start:
+            if (resumable.call_steps is not None and step >= start + resumable.call_steps) or \
+                    (resumable.stop_at is not None and time.time() >= resumable.stop_at):
+                save_state(step)
+                bar.close()
+                log.info("paused at step %d of %d: state in %s (resume to continue)", step,
+                         cfg.steps, resumable.path)
+                module.eval()
+                return TrainResult(module, head, step, best_step, best_tau, history,
+                                   time.perf_counter() - t0, paused=True)
+            if resumable.every and step % resumable.every == 0:
+                save_state(step)
         if cfg.eval_every and step and step % cfg.eval_every == 0:
             evaluate(step)
         if not queue:

@@ -1,27 +1,25 @@
 #!/usr/bin/env python
-"""The resident loop against the reference loop and target-only AR, on one GPU (no Hydra).
+"""What of the resident bench cannot be a decode job (no Hydra): a kernel profile of one
+resident step per arm, and step costs at scale with random weights. The bench itself (every
+method of a cell side by side against the resident AR, pooled tok/s, α, τ, greedy equality) is
+``python run.py experiment=bench`` (conf/experiment/bench.yaml; scripts/device/bench.sh runs
+its cells); :func:`methods` and :func:`drafter` stay for scripts/device/generate_breakdown.py
+and resident_breakdown.py.
 
-Every method of a cell runs in one process on the same prompts, drawn with ``--seed`` from the
-eval split (a seed the committed records do not use), interleaved prompt by prompt with the
-method order rotating, after a warm-up call per engine (graph capture) and an untimed prefill of
-every prompt by every engine (kernels compiled per prompt-length bucket). Reported per method:
-pooled tok/s (all new tokens / all decode time), the ratio to the reference loop's AR, α, τ,
-and whether greedy output equals AR's token for token. MT-Bench: first turns only.
-
-    python scripts/device/resident_bench.py --gguf /dev/shm/smollm2.gguf --cells he_b1 mt_b1 \
-        he_b1_t1 mt_b1_t1 he_b32 [--n 8] [--new 128] [--out results.jsonl]
+    python scripts/device/resident_bench.py --gguf /dev/shm/smollm2.gguf --profile [--trees dyn15d6k4]
     python scripts/device/resident_bench.py --scale     # 8B-shaped target, 1B-shaped drafter
 
-``--scale``: random weights (acceptance is meaningless), so only step costs: one resident step
-of target-only AR and of the 1B drafter at γ (graph replays), and the speedup they predict at
-α = 0.6 / 0.7 / 0.8 (i.i.d. acceptance): E[tokens | α, γ] · T_ar / T_step(γ).
+``--profile``: kernels of one resident step (graph replays under torch.profiler), its replay
+time and the torch ops each flashspec line issues. ``--scale``: random weights (acceptance is
+meaningless), so only step costs: one resident step of target-only AR and of the 1B drafter at
+γ (graph replays), and the speedup they predict at α = 0.6 / 0.7 / 0.8 (i.i.d. acceptance):
+E[tokens | α, γ] · T_ar / T_step(γ).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import time
 import traceback
 from collections import Counter
 
@@ -40,13 +38,6 @@ from flashspec.models.loading import dummy_config, random_model
 from flashspec.planner import WidthPlanner
 from flashspec.theory import expected_tau
 from flashspec.verify import get_backend
-
-CELLS = {  # name: (dataset, batch, temperature)
-    "he_b1": ("humaneval", 1, 0.0), "mt_b1": ("mtbench", 1, 0.0),
-    "he_b1_t1": ("humaneval", 1, 1.0), "mt_b1_t1": ("mtbench", 1, 1.0),
-    "he_b32": ("humaneval", 32, 0.0), "mt_b8": ("mtbench", 8, 0.0),
-}
-
 
 def sync() -> None:
     if torch.cuda.is_available():
@@ -198,75 +189,6 @@ def census(step) -> Counter[tuple[str, str]]:
     return mode.seen
 
 
-def run_cell(name: str, model, tok, eagle_ckpt: str, n: int, new: int, seed: int, out,
-             device: str, trees: list[str], only: list[str] | None,
-             eagle_b: str | None = None) -> None:
-    """One cell; ``eagle_b``: a second drafter checkpoint whose EAGLE methods (suffix ``_b``)
-    run beside the first's on the same prompts, interleaved with them."""
-    dataset, batch, temperature = CELLS[name]
-    params = SamplingParams(temperature=temperature)
-    prompts = [chat_ids(tok, p.turns[:1], []) for p in load_prompts(dataset, n=max(n, batch),
-                                                                        seed=seed)]
-    eagle = drafter(model, tok, eagle_ckpt, device)
-    engines = methods(model, eagle, NgramDrafter(), params, [tok.eos_token_id], batch, eagle_ckpt,
-                      trees, only)
-    if eagle_b is not None:
-        second = methods(model, drafter(model, tok, eagle_b, device), NgramDrafter(), params,
-                         [tok.eos_token_id], batch, eagle_b, trees, only)
-        engines.update({f"{m}_b": e for m, e in second.items()
-                        if m not in ("ar_ref", "ar_res") and ("eagle" in m or "tree" in m)})
-    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-    t_cold = {}
-    for m, e in engines.items():
-        t0 = time.perf_counter()
-        e.generate(groups[0], 16, seed=1)
-        sync()
-        t_cold[m] = round(time.perf_counter() - t0, 2)
-    # Kernels specialise on prompt-length buckets: the first method to meet a new bucket would
-    # pay its compilation inside its timed call (with a fixed rotation, the same method every
-    # run). Every engine prefills every group once before timing.
-    t0 = time.perf_counter()
-    for e in engines.values():
-        for group in groups:
-            e.generate(group, 2, seed=1)
-    sync()
-    emit(out, cell=name, warm_all_prompts_s=round(time.perf_counter() - t0, 2))
-    stats = {m: dict(tokens=0, seconds=0.0, steps=0, accepted=0, proposed=0, outs=[], per=[],
-                     capture=0.0) for m in engines}
-    order = list(engines)
-    for g, group in enumerate(groups):
-        for m in order[g % len(order):] + order[:g % len(order)]:
-            sync()
-            captured = engines[m].capture_s
-            t0 = time.perf_counter()
-            res = engines[m].generate(group, new, seed=1000 + g)
-            sync()
-            s = stats[m]
-            dt = time.perf_counter() - t0
-            s["seconds"] += dt
-            s["capture"] += engines[m].capture_s - captured
-            s["per"].append(sum(len(r.tokens) for r in res.rows) / dt)
-            for r in res.rows:
-                s["tokens"] += len(r.tokens)
-                s["steps"] += r.steps
-                s["accepted"] += r.n_accepted
-                s["proposed"] += r.n_proposed
-                s["outs"].append(r.tokens)
-    base = stats["ar_ref"]["tokens"] / stats["ar_ref"]["seconds"]
-    ref_per = stats["ar_ref"]["per"]
-    for m, s in stats.items():
-        tps = s["tokens"] / s["seconds"]
-        ratios = sorted(a / b for a, b in zip(s["per"], ref_per))
-        emit(out, cell=name, method=m, batch=batch, temperature=temperature, n_prompts=len(prompts),
-             new=new, tps=round(tps, 1), vs_ar_ref=round(tps / base, 3),
-             median_group_ratio=round(ratios[len(ratios) // 2], 3),
-             alpha=round(s["accepted"] / s["proposed"], 3) if s["proposed"] else None,
-             tau=round(s["tokens"] / max(s["steps"], 1), 3),
-             greedy_equal=(s["outs"] == stats["ar_ref"]["outs"]) if temperature == 0 else None,
-             cold_s=t_cold[m], capture_in_timed_s=round(s["capture"], 3),
-             per_group_tps=[round(x) for x in s["per"]])
-
-
 @torch.inference_mode()
 def scale(out, gamma: int = 4) -> None:
     """Resident step costs of an 8B-shaped target with a 1B-shaped drafter (random bf16)."""
@@ -305,39 +227,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf")
     ap.add_argument("--eagle", default="checkpoints/smollm2_eagle_lr72.safetensors")
-    ap.add_argument("--eagle-b", help="a second drafter checkpoint, its methods suffixed _b")
-    ap.add_argument("--cells", nargs="*", default=list(CELLS))
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--scale", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-temperature", type=float, default=0.0,
                     help="sampling temperature of the profiled steps (0: greedy)")
-    ap.add_argument("--trees", nargs="*", default=["dyn15d8k3"],
-                    help="draft-tree shapes run as resident arms (the first also with the planner)")
-    ap.add_argument("--methods", nargs="*", help="only these methods (AR always runs)")
+    ap.add_argument("--trees", nargs="*", default=["dyn15d6k4"], help="draft-tree shapes profiled")
     ap.add_argument("--out")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code path")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args()
+    if not (a.scale or a.profile):
+        ap.error("give --profile or --scale; the bench's cells are `python run.py experiment=bench` "
+                 "(scripts/device/bench.sh)")
     out = open(a.out, "a") if a.out else None
-    emit(out, check="device", torch=torch.__version__,
-         name=torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
+    emit(out, check="device", torch=torch.__version__, name=torch.cuda.get_device_name())
     if a.scale:
         scale(out)
         return 0
-    model, tok = load_model(a.gguf, dtype=a.dtype, device=a.device)
-    model = fuse_model(model.eval(), a.device == "cuda")
-    if a.profile:
-        with torch.inference_mode():
-            profile(model, tok, a.eagle, out, trees=a.trees, temperature=a.profile_temperature)
-        return 0
-    for cell in a.cells:
-        t0 = time.perf_counter()
-        run_cell(cell, model, tok, a.eagle, a.n, a.new, a.seed, out, a.device, a.trees, a.methods,
-                 a.eagle_b)
-        emit(out, cell=cell, wall_s=round(time.perf_counter() - t0, 1))
+    model, tok = load_model(a.gguf, dtype=a.dtype, device="cuda")
+    model = fuse_model(model.eval(), True)
+    with torch.inference_mode():
+        profile(model, tok, a.eagle, out, trees=a.trees, temperature=a.profile_temperature)
     return 0
 
 

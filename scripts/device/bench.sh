@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The headline GPU numbers: experiment=bench (conf/experiment/bench.yaml) on the lent H200, each
+# cell a run.py job with its resolved config, provenance and decode records (no Hydra/W&B on
+# the box: hydra, omegaconf and antlr4 travel in .whl/site, gguf as a wheel in .whl/; the
+# SmolLM2 GGUF in two halves, joined as in decode_bench.sh).
+#   bash scripts/device/decode_bench.sh part1      # once per machine: copies the first half
+#   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
+# Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
+# B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
+# CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
+# Each job's job_metrics.json holds <method>/{speedup_pooled,speedup,greedy_equal,alpha,tau}
+# against `ar`, the resident AR; everything lands in $OUT.
+set -o pipefail
+OUT=${OUT:-outputs/bench_gpu}
+SEED=${SEED:?set SEED to a prompt draw no committed record used}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false FLASHSPEC_CACHE=/dev/shm/models
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
+GGUF=/dev/shm/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
+BENCH="python3 run.py experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
+one() {
+  case $1 in
+    greedy) $BENCH -m dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
+    t1)     $BENCH -m dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
+    b32)    $BENCH dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
+    profile) $BENCH hardware=h100 runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_h100 &&
+             python3 scripts/greedy_check.py $OUT/profile_h100/records.jsonl \
+               --against "$(ls -d $OUT/greedy/0_*)/records.jsonl" ;;   # job 0: humaneval
+    *) echo "unknown cell $1 (greedy | t1 | b32 | profile)" >&2; return 2 ;;
+  esac
+}
+for cell in ${@:-greedy t1 b32 profile}; do
+  one "$cell" 2>&1 | grep --line-buffered -v "batch/s\]" | tee "$OUT/$cell.log"
+done
+for f in "$OUT"/*/job_metrics.json "$OUT"/*/*/job_metrics.json; do
+  [ -f "$f" ] && python3 - "$f" <<'PY'
+import json, sys
+job = json.load(open(sys.argv[1]))
+names = sorted({k.split("/")[0] for k in job if k.endswith("/speedup_pooled")})
+print(sys.argv[1])
+for m in names:
+    print(f"  {m:16s} x{job[m + '/speedup_pooled']:.3f} (median {job.get(m + '/speedup', 0):.3f})"
+          f"  alpha={job.get(m + '/alpha')}  tau={job.get(m + '/tau')}  equal={job.get(m + '/greedy_equal')}")
+PY
+done

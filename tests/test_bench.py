@@ -1,0 +1,88 @@
+"""experiment=bench end to end at smoke size on the CPU: every named method decodes the same
+prompt beside the reference AR, reproduces it token for token (greedy), and the job metrics
+carry each method's speedups; a method's own runtime, bandit and planner reach its engine, and a
+bad entry fails at composition."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf, open_dict
+
+from experiments.harness import bench_method, engine_options, validate
+from flashspec.core import SamplingParams
+from flashspec.errors import FlashSpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=bench", *overrides],
+                      return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        cfg.output_dir = "/tmp/unused"
+    return cfg
+
+
+def test_bench_smoke_every_method_equals_ar(tmp_path):
+    """`run.py experiment=bench smoke=true` plus an AR on the resident loop (a method's own
+    runtime): one record per method, every greedy_equal 1.0, speedups for every method."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HYDRA_FULL_ERROR": "0"}
+    res = subprocess.run([sys.executable, "run.py", "experiment=bench", "smoke=true",
+                          "logger=disabled", f"hydra.run.dir={tmp_path}",
+                          "+experiment.methods.ar_resident={arms: [[ar, 0]], runtime: resident}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    methods = ["ar", "chain_g4", "chain_g3", "tree", "tree_planner", "ar_resident"]
+    assert sorted(r["method"] for r in records) == sorted(methods)
+    assert len({r["prompt_id"] for r in records}) == 1 and {r["turn"] for r in records} == {0}
+    assert all(r["provenance"]["config"]["experiment"]["name"] == "bench" for r in records)
+    gamma = {r["method"]: r["gamma"] for r in records}
+    assert (gamma["ar"], gamma["chain_g4"], gamma["chain_g3"]) == (0, 4, 3)
+    job = json.loads((tmp_path / "job_metrics.json").read_text())
+    for m in methods[1:]:
+        assert job[f"{m}/greedy_equal"] == 1.0, (m, job.get(f"{m}/greedy_equal"))
+        assert {f"{m}/speedup", f"{m}/speedup_pooled", f"{m}/tps"} <= set(job), m
+    assert job["chain_g4/tau"] > 1 and job["tree/tau"] > 1
+
+
+def test_a_methods_own_choices_reach_its_engine():
+    """runtime by option name or merged keys, planner by name, bandit over several arms."""
+    cfg = composed()
+    params = SamplingParams()
+    ar = bench_method(cfg, "ar", cfg.experiment.methods.ar)
+    assert not engine_options(cfg, params, [], ar.runtime)["resident"]   # hardware=cpu: eager
+    res = bench_method(cfg, "r", OmegaConf.create({"arms": [["ar", 0]], "runtime": "resident"}))
+    kw = engine_options(cfg, params, [], res.runtime)
+    assert kw["resident"] and kw["graphs"] and kw["backend"].name == "triton"
+    merged = bench_method(cfg, "m", OmegaConf.create({"arms": [["ar", 0]],
+                                                      "runtime": {"resident_chunk": 3}}))
+    assert merged.runtime.name == "eager" and merged.runtime.resident_chunk == 3
+    tree = cfg.experiment.methods
+    assert bench_method(cfg, "tree", tree.tree).planner is None
+    assert bench_method(cfg, "tp", tree.tree_planner).planner is not None
+    two = bench_method(cfg, "ucb", OmegaConf.create({"arms": [["eagle_lr72", 4], ["ar", 0]],
+                                                     "bandit": "ucb1"}))
+    assert two.policy is not None and two.policy.n_arms == 2 and two.policy.learns
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("+experiment.methods.x={arms: [[nope, 4]]}", "experiment.methods.x: arm nope@4 names drafter"),
+    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], runtime: fast}",
+     "runtime=fast: no conf/runtime/fast.yaml"),
+    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], gamma: 4}",
+     "experiment.methods.x: give arms"),
+    ("experiment.methods.ar=null", "needs a method named ar"),
+])
+def test_bad_method_entries_fail_at_composition(override, needle):
+    with pytest.raises(FlashSpecError, match=needle.replace("[", r"\[")):
+        validate(composed(override))
