@@ -65,6 +65,8 @@ class Stepper(Protocol):
     capture: bool              # the device runs ahead of the host (run_chunks overlaps)
     capture_s: float           # CUDA-graph capture time so far
 
+    def prepare(self, arms: Sequence[Arm]) -> None: ...     # every step it may launch, ahead
+
     def load(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
              calls: int) -> None: ...
 
