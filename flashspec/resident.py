@@ -1,8 +1,8 @@
 """The resident decode loop: draft → verify → commit as device ops on device-resident state.
 
-The reference loop (:meth:`flashspec.engine.SpecEngine.generate` without ``resident``) keeps
-lengths, tokens and finished flags in host lists and reads every step's result back. Here
-that state lives on the device (:class:`DeviceState`), and one step of an arm
+The captured stepper (:mod:`flashspec.stepper`). The reference stepper
+(:class:`flashspec.stepper.ReferenceStepper`) keeps lengths, tokens and finished flags in host
+lists and reads every step's result back. Here that state lives on the device (:class:`DeviceState`), and one step of an arm
 (:class:`flashspec.core.Arm`: a drafter and γ) is a pure device function of it:
 
 1. the drafter proposes γ tokens from the committed token buffer (model drafters re-read a
@@ -10,7 +10,7 @@ that state lives on the device (:class:`DeviceState`), and one step of an arm
    matches n-grams over the buffer on the device);
 2. the target scores [last committed token, drafts] over its whole static cache and the
    verify backend accepts a prefix and emits one more token, with seeds derived on the device
-   from the run seed and a call counter (the very seeds of the reference loop's calls);
+   from the run seed and a call counter (the very seeds of the reference stepper's calls);
 3. commit: accepted tokens are scattered into the buffer, clipped at EOS and at each row's
    budget; lengths, budgets, finished flags and the acceptance counters advance in place.
 
@@ -30,30 +30,32 @@ whole next chunk. A row that ends at EOS (no budget foretells it) thus costs one
 its end where it drafts, one step where it does not. Finished rows commit nothing, so the work
 launched past the end changes nothing. Policy and planner decide per chunk from the counters of
 an earlier chunk: exactness never depends on them. On a CPU the same halves run eagerly (the
-path the tests compare with the reference loop).
+path the tests compare with the reference stepper).
+
+Capture is this stepper's alone: the prompt prefill, each drafter's start on the prompts and
+its catch-up windows replay from graphs it records (:class:`flashspec.graphs.GraphCache`);
+drafters are plain device functions.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from flashspec.core import Arm, SamplingParams, TreeDraft, TreeShape
-from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.drafters.base import Drafter
 from flashspec.errors import FlashSpecError
-from flashspec.graphs import capture as capture_graph
+from flashspec.graphs import GraphCache, Prefill, bucketed, capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
+from flashspec.stepper import COUNTERS, DRAFT_STREAM, Lag, Snapshot, catch_up_widths
 from flashspec.tree import compact_path, tree_attention
 from flashspec.verify import rng
 from flashspec.verify.api import Backend
 
 log = logging.getLogger(__name__)
-DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's own random stream
-COUNTERS = ("steps", "proposed", "accepted", "full", "lengths", "budgets", "finished", "bad")
 
 
 @dataclass
@@ -82,12 +84,14 @@ class DeviceState:
                    accepted=z(batch), full=z(batch), bad=z(batch, dtype=torch.bool),
                    hist=z(batch, gamma_max + 1), seed=z(()), calls=z(()))
 
-    def load(self, state: DecodeState, max_new_tokens: int, seed: int, calls: int) -> None:
-        """Start a batch: the prompts of ``state`` (already prefilled), fresh counters."""
-        n = state.tokens.shape[1]
-        self.tokens.zero_()
-        self.tokens[:, :n].copy_(state.tokens)
-        self.lengths.copy_(torch.tensor(state.lengths))
+    def load(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
+             calls: int) -> None:
+        """Start a batch: the prompts, fresh counters."""
+        tokens = torch.zeros(self.tokens.shape, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(list(p))
+        self.tokens.copy_(tokens)
+        self.lengths.copy_(torch.tensor([len(p) for p in prompts]))
         self.budgets.fill_(max_new_tokens)
         self.finished.zero_()
         for t in (self.steps, self.proposed, self.accepted, self.full, self.bad, self.hist):
@@ -131,31 +135,10 @@ class _Captured:
     signature: tuple
 
 
-@dataclass
-class Snapshot:
-    """Counters after a chunk, copied to pinned host memory; ``wait`` blocks until they landed."""
-
-    host: torch.Tensor
-    tag: object            # the decision the chunk ran under
-    n_steps: int
-    start: torch.cuda.Event | float | None
-    end: torch.cuda.Event | float | None
-    launched: int = 0        # steps launched up to and including this chunk
-
-    def wait(self) -> dict[str, list[int]]:
-        if isinstance(self.end, torch.cuda.Event):
-            self.end.synchronize()
-        return {k: row for k, row in zip(COUNTERS, self.host.tolist())}
-
-    def seconds(self) -> float:
-        if isinstance(self.end, torch.cuda.Event):
-            return self.start.elapsed_time(self.end) / 1000.0
-        return float(self.end - self.start)
-
-
 class ResidentLoop:
-    """Device-resident steps of a set of arms for one (batch, cache): ``load`` a prefilled
-    batch, ``launch(arm, n)`` steps of an arm, ``snapshot()`` the counters without a stall.
+    """The captured stepper (:class:`flashspec.stepper.Stepper`) of a set of arms for one
+    (batch, cache): ``load`` the prompts, ``launch(arm, n)`` steps of an arm, ``snapshot()``
+    the counters without a stall.
 
     Each kind of step is an :class:`~flashspec.core.Arm` (the plain arm: a target step); its
     drafter is found by name among ``drafters``.
@@ -167,7 +150,7 @@ class ResidentLoop:
         self.target, self.cache, self.params = target, cache, params
         self.drafters = list(drafters)     # every step's hidden states go to each of them
         self.drafter_of = {d.name: d for d in self.drafters}
-        self.behind: dict[str, int] = {}   # per drafter: latest tokens its window may not cover
+        self.lag = Lag(self.drafters)
         self.verify, self.verify_tree = backend.verify, backend.verify_tree
         dev = target.device
         self.capture = capture and dev.type == "cuda"
@@ -182,10 +165,28 @@ class ResidentLoop:
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
         self.graphs: dict[Arm, _Captured] = {}
         self._ahead: tuple[Arm, Proposal] | None = None   # a drafting queued ahead
-        self.capture_s = 0.0
+        self.prefill = Prefill(target, cache, capture)
+        # per drafter: its start on the prompts, keyed (batch, window bucket, buffers), and its
+        # catch-up windows, keyed (batch, width, buffers); one memory pool each
+        pool = lambda: torch.cuda.graph_pool_handle() if self.capture else None
+        self.starts = {d.name: GraphCache(lambda k, t, n, h, d=d: d.start(t, n, h),
+                                          self.capture, pool()) for d in self.drafters}
+        self.catch_ups = {d.name: GraphCache(lambda k, t, n, d=d: d.catch_up(t, n, k[1]),
+                                             self.capture, pool()) for d in self.drafters}
+        self._steps_s = 0.0
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
         self._next = 0
+
+    @property
+    def capture_s(self) -> float:
+        """CUDA-graph capture time so far: steps, prefill, drafters' starts and catch-ups."""
+        caches = [*self.starts.values(), *self.catch_ups.values()]
+        return self._steps_s + self.prefill.capture_s + sum(c.capture_s for c in caches)
+
+    @property
+    def calls(self) -> int:
+        return int(self.state.calls)
 
     # ------------------------------------------------------------------ graphs
     def prepare(self, arms: Sequence[Arm]) -> None:
@@ -210,26 +211,27 @@ class ResidentLoop:
                 draft, proposal = None, None
                 settle, _ = capture_graph(lambda: self.step(arm))
             self.graphs[arm] = _Captured(draft, settle, proposal, self._signature())
-            self.capture_s += time.perf_counter() - t0
+            self._steps_s += time.perf_counter() - t0
         if len(set(arms)) > 1:
-            self._prepare_catch_up({self.drafter_of[arm.drafter]: None
-                                    for arm in arms if arm.drafts})
+            self.prepare_catch_up({arm.drafter: None for arm in arms if arm.drafts})
 
-    def _prepare_catch_up(self, drafters: dict[Drafter, None]) -> None:
-        """Capture every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
+    def prepare_catch_up(self, drafters: Sequence[str]) -> None:
+        """Record every catch-up window a drafter may need (:meth:`_catch_up`: powers of two
         from 4 to the cache) with the steps: when the loop switches between kinds of steps, a
-        window captured on first use would fall inside the decode. A window a drafter recorded
-        for an earlier batch is not run again. (Drafters count the time in their own
-        ``capture_s``.)"""
-        s, top = self.state, self.state.tokens.shape[1] - 1
+        window captured on first use would fall inside the decode. A window recorded for this
+        batch shape and these drafter buffers is not run again."""
+        s, top = self.state, self.state.dump
         s.lengths.fill_(top)
-        for drafter in drafters:
-            drafter.prepare_catch_up(s.tokens, s.lengths, catch_up_widths(top))
+        for name in drafters:
+            buffers = self.drafter_of[name].buffers()
+            for width in catch_up_widths(top):
+                self.catch_ups[name].prepare((s.tokens.shape[0], width, buffers), s.tokens,
+                                             s.lengths)
 
     def _signature(self) -> tuple:
         """The drafter buffers the graphs were recorded on (a reallocation invalidates them):
         every step writes its hidden states to every drafter."""
-        return tuple(d.resident_buffers() for d in self.drafters)
+        return tuple(d.buffers() for d in self.drafters)
 
     # ------------------------------------------------------------------ one step
     def step(self, arm: Arm) -> None:
@@ -245,10 +247,10 @@ class ResidentLoop:
             return Proposal(seed)
         drafter = self.drafter_of[arm.drafter]
         if arm.tree is not None:
-            return Proposal(seed, tree=drafter.resident_tree(s.tokens, s.lengths, arm.tree,
-                                                             self.params, seed ^ DRAFT_STREAM))
-        drafts, q, real = drafter.resident_draft(s.tokens, s.lengths, arm.gamma, self.params,
-                                                 seed ^ DRAFT_STREAM)
+            return Proposal(seed, tree=drafter.draft_tree(s.tokens, s.lengths, arm.tree,
+                                                          self.params, seed ^ DRAFT_STREAM))
+        drafts, q, real = drafter.draft(s.tokens, s.lengths, arm.gamma, self.params,
+                                        seed ^ DRAFT_STREAM)
         return Proposal(seed, drafts, q, real)
 
     def settle(self, p: Proposal, tree: TreeShape | None = None) -> None:
@@ -288,11 +290,12 @@ class ResidentLoop:
         """The target's hidden states of a step (fed at lengths - 1 + j) to every drafter, also
         those that did not draft it: a later catch-up reads them."""
         for drafter in self.drafters:
-            drafter.resident_absorb(hidden, lengths)
+            drafter.absorb(hidden, lengths)
 
     def _commit(self, out: torch.Tensor, n_acc: torch.Tensor, gamma: int,
                 real: torch.Tensor | None) -> None:
-        """Append each live row's accepted tokens + one, clipped at EOS and its budget."""
+        """Append each live row's accepted tokens + one, clipped at EOS and its budget (the
+        device form of :meth:`flashspec.stepper.ReferenceStepper.commit`)."""
         s = self.state
         live = ~s.finished
         cols = self.cols[:gamma + 1]
@@ -319,29 +322,37 @@ class ResidentLoop:
         s.bad.logical_or_((n_acc < 0) & live)
 
     # ------------------------------------------------------------------ driving
-    def load(self, state: DecodeState, max_new_tokens: int, seed: int, calls: int) -> None:
-        """Start a batch (:meth:`DeviceState.load`); the drafters have caught up on the prompts."""
-        self.state.load(state, max_new_tokens, seed, calls)
-        self.behind = {d.name: 0 for d in self.drafters}
+    def load(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int,
+             calls: int) -> None:
+        """Start a batch: the prompts into the device state, their prefill (all but each row's
+        last token; :class:`flashspec.graphs.Prefill`), the drafters started on them (over a
+        window padded to the prefill's bucket, one graph per bucket)."""
+        s = self.state
+        s.load(prompts, max_new_tokens, seed, calls)
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        width = bucketed(longest, s.dump)
+        positions = torch.arange(width, device=s.tokens.device).expand(batch, width)
+        hidden = (self.prefill(s.tokens[:, :longest - 1], positions[:, :longest - 1])
+                  if longest > 1 else None)
+        padded = torch.zeros(batch, width, self.target.shape.hidden_size, dtype=self.target.dtype,
+                             device=s.tokens.device)
+        if hidden is not None:
+            padded[:, :longest - 1] = hidden
+        for d in self.drafters:
+            self.starts[d.name]((batch, width, d.buffers()), s.tokens[:, :width], s.lengths,
+                                padded)
+        self.lag.reset()
         self._ahead = None
 
     def _catch_up(self, arm: Arm) -> None:
         """Before a drafter drafts: catch it up over the latest committed tokens its window
-        (the last γ + 1) would miss (:meth:`_account` keeps the count)."""
-        if arm.drafts and self.behind.get(arm.drafter, 0) > arm.gamma + 1:
-            width = catch_up_width(self.behind[arm.drafter], self.state.tokens.shape[1] - 1)
-            self.drafter_of[arm.drafter].resident_catch_up(self.state.tokens, self.state.lengths,
-                                                           width, self.capture)
-
-    def _account(self, arm: Arm, n_steps: int) -> None:
-        """How far behind each drafter falls in ``n_steps`` steps of ``arm``. A step of γ
-        commits at most γ + 1 tokens per row (a tree of depth D: D + 1; a plain step: 1), which
-        the same drafter's next window covers; a drafter that did not draft a step falls behind
-        by that many."""
-        gamma = arm.gamma
-        for d in self.drafters:
-            self.behind[d.name] = (gamma + 1 if d.name == arm.drafter
-                                   else self.behind.get(d.name, 0) + n_steps * (gamma + 1))
+        (the last γ + 1) would miss (:class:`flashspec.stepper.Lag` keeps the count)."""
+        width = self.lag.width(arm, self.state.dump)
+        if width is not None:
+            s = self.state
+            self.catch_ups[arm.drafter]((s.tokens.shape[0], width,
+                                         self.drafter_of[arm.drafter].buffers()),
+                                        s.tokens, s.lengths)
 
     def _captured(self, arm: Arm) -> _Captured | None:
         entry = self.graphs.get(arm)
@@ -375,7 +386,7 @@ class ResidentLoop:
             raise FlashSpecError("the drafting queued ahead is of another arm than the launch")
         if ahead is None:
             self._catch_up(arm)
-        self._account(arm, n_steps)
+        self.lag.account(arm, n_steps)
         for i in range(n_steps):
             if entry is not None and entry.draft is None:
                 entry.settle.replay()           # a plain target step: one graph
@@ -410,81 +421,3 @@ class ResidentLoop:
 
     def histogram(self) -> list[list[int]]:
         return self.state.hist.tolist()
-
-
-def catch_up_width(behind: int, top: int) -> int:
-    """The catch-up window of a drafter ``behind`` tokens behind (> γ + 1 >= 2): the next power
-    of two, at most the ``top`` committed tokens a row can hold (one graph per width)."""
-    return min(1 << (behind - 1).bit_length(), top)
-
-
-def catch_up_widths(top: int) -> list[int]:
-    """Every width :func:`catch_up_width` gives (``behind`` from 3 up)."""
-    return sorted({catch_up_width(b, top) for b in (1 << k for k in range(2, top.bit_length() + 1))})
-
-
-def steps_left(counters: dict[str, list[int]]) -> int:
-    """A guess of the steps the batch still needs: the largest live budget over the tokens per
-    step seen so far (rows may end sooner, at EOS)."""
-    live = [b for b, f in zip(counters["budgets"], counters["finished"]) if not f]
-    if not live:
-        return 0
-    steps = sum(counters["steps"])
-    per_step = (sum(counters["accepted"]) + steps) / steps if steps else 1.0
-    return int(-(-max(live) // max(per_step, 1.0)))
-
-
-def run_chunks(loop: ResidentLoop, choose, observe, max_steps: int, chunk: int,
-               overlap: bool) -> None:
-    """Launch chunks of up to ``chunk`` steps until every row finished (or ``max_steps`` ran).
-
-    ``choose()`` gives (the arm of the next chunk, a tag kept in its snapshot);
-    ``observe(snapshot, counters)`` hears each chunk's counters. With ``overlap`` (a captured
-    loop: the device runs ahead of the host) the host waits on a chunk only once the device has
-    work queued behind it: the first drafting of the next chunk where its arm drafts (a row's
-    end then costs only that drafting past it), else the whole next chunk; decisions then take
-    effect a chunk late and the device never waits for the host. Without it (an eager loop)
-    each chunk is read before the next is chosen. Near the end chunks shrink to the steps the
-    budgets still need, and when the steps in flight should suffice the host queues nothing
-    until it has read them: work past the last row's end commits nothing but costs its time, a
-    short wait for the host costs less.
-    """
-    pending: deque[Snapshot] = deque()
-    launched, known = 0, None      # known: the counters of the last chunk the host has read
-    read_at = 0                    # steps launched when that chunk was
-    arm, tag = choose()
-    ahead = None                   # (arm, tag, start) of the next chunk, its drafting queued
-    while launched < max_steps or pending:
-        n = min(chunk, max_steps - launched)
-        if known is not None:
-            n = min(n, steps_left(known) - (launched - read_at))
-        if launched < max_steps and not pending:
-            run, run_tag, start = ahead if ahead is not None else (arm, tag, loop.mark())
-            ahead = None
-            launched += _launch(loop, pending, run, run_tag, max(n, 1), start, launched)
-            if overlap:
-                continue          # queue the work that goes behind it, then wait
-        elif launched < max_steps and overlap and len(pending) < 2 and n > 0:
-            if arm.drafts:
-                ahead = (arm, tag, loop.mark())
-                loop.draft_ahead(arm)
-            else:
-                launched += _launch(loop, pending, arm, tag, n, loop.mark(), launched)
-        snap = pending.popleft()
-        known, read_at = snap.wait(), snap.launched
-        observe(snap, known)
-        if all(known["finished"]):
-            break
-        arm, tag = choose()
-    while pending:
-        snap = pending.popleft()
-        observe(snap, snap.wait())
-
-
-def _launch(loop: ResidentLoop, pending: deque[Snapshot], arm: Arm, tag: object, n: int,
-            start, launched: int) -> int:
-    """Launch a chunk of ``n`` steps and queue its snapshot; the steps launched."""
-    loop.launch(arm, n)
-    pending.append(loop.snapshot(tag, n, start))
-    pending[-1].launched = launched + n
-    return n

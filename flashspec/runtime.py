@@ -1,11 +1,11 @@
 """Runtime modes (``conf/runtime/*.yaml``): how the decode loop runs, apart from the machine it
 runs on (:class:`flashspec.hardware.Hardware`), so that any CUDA profile can run any mode.
 
-``eager`` is the reference loop (every op from Python, the torch verify backend); ``graphed``
-replays the verify step (and model drafters' drafting) as CUDA graphs through the fused Triton
-paths; ``resident`` keeps the decode state on the device and replays whole draft → verify →
-commit steps in chunks (:mod:`flashspec.resident`). Without CUDA the graphed and resident code
-paths still run, uncaptured (how the CPU tests check them).
+``eager`` is the reference stepper (every op from Python, the torch verify backend);
+``resident`` keeps the decode state on the device and replays whole draft → verify → commit
+steps as CUDA graphs in chunks (:mod:`flashspec.resident`); ``graphed`` is that stepper with one
+step a chunk (:mod:`flashspec.stepper`). Without CUDA the captured stepper still runs,
+uncaptured (how the CPU tests check it).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from flashspec.options import KernelOptions
 class Runtime:
     """How one run executes its decode steps.
 
-    ``verify_backend`` names a registered verify backend; ``cuda_graphs`` runs the verify step
-    (and model drafters' drafting) as CUDA graphs; ``compile_step`` torch.compiles that step
-    first; ``fused_layers`` runs few-token cached steps through the fused decode layers;
+    ``verify_backend`` names a registered verify backend; ``cuda_graphs`` runs the captured
+    stepper (CUDA graphs), one step a chunk unless ``resident_loop``; ``compile_step`` is kept
+    for the configs (no stepper compiles its step); ``fused_layers`` runs few-token cached steps through the fused decode layers;
     ``resident_loop`` keeps the decode state on the device and runs each step as device ops
     (:mod:`flashspec.resident`), read back every ``resident_chunk`` steps; ``kernels`` are the
     Triton kernels' switches (:class:`flashspec.options.KernelOptions`).

@@ -11,10 +11,11 @@ import pytest  # noqa: E402
 def drive_as_on_a_gpu(monkeypatch) -> None:
     """Resident engines driven as on a GPU, where the device runs ahead of the host: each
     chunk's first drafting is queued before the host reads the chunk in flight (plain steps a
-    whole chunk ahead). The eager CPU loop runs the same halves in that order."""
-    from flashspec import engine, resident
-    monkeypatch.setattr(engine, "run_chunks",
-                        lambda *args, overlap: resident.run_chunks(*args, overlap=True))
+    whole chunk ahead). The eager CPU loop runs the same halves in that order; the reference
+    stepper still reads each step before the next."""
+    from flashspec import engine, stepper
+    monkeypatch.setattr(engine, "run_chunks", lambda loop, *args, overlap: stepper.run_chunks(
+        loop, *args, overlap=not isinstance(loop, stepper.ReferenceStepper)))
 
 
 @pytest.fixture

@@ -78,23 +78,22 @@ def test_greedy_speculative_equals_target(smol, prompts, reference, drafter, bat
 
 
 @needs_ckpt
-def test_static_drafting_equals_eager_drafting(smol, prompts, reference, drafter):
-    """graphs=True drafts through GraphCache (CUDA graphs on a GPU; the same static-buffer code
-    eagerly here): greedy output equals the target's and every step accepts what eager
-    drafting accepts, including the γ' < γ shapes and the first (long, eager) window."""
+def test_captured_stepper_drafts_as_the_reference(smol, prompts, reference, drafter):
+    """graphs=True runs the captured stepper (CUDA graphs on a GPU; the same device ops eagerly
+    here): greedy output equals the target's while two γ alternate, and every step accepts
+    what the reference stepper's drafting accepts."""
     model, tok = smol
-    eager = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter], eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW)
-    drafter.graphs = None
+    reference_rows = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter],
+                                eos_ids=[tok.eos_token_id]).generate(prompts, N_NEW).rows
     engine = SpecEngine(model, [Arm("eagle", 3), Arm("eagle", 2)], Alternate(), drafters=[drafter],
                         eos_ids=[tok.eos_token_id], graphs=True)
-    static = engine.generate(prompts, N_NEW)
-    assert [r.tokens for r in static.rows] == reference
-    assert {k[1:3] for k in drafter.graphs.slots} >= {(1, 3), (2, 2), (1, 2)}
-    drafter.graphs = None
-    solo = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter], eos_ids=[tok.eos_token_id], graphs=True)
+    engine.min_capacity = 256     # the captured steps attend the whole cache: keep it short
+    assert [r.tokens for r in engine.generate(prompts, N_NEW).rows] == reference
+    solo = SpecEngine(model, [Arm("eagle", 3)], drafters=[drafter], eos_ids=[tok.eos_token_id],
+                      graphs=True)
+    solo.min_capacity = 256
     assert [r.accept_hist for r in solo.generate(prompts, N_NEW).rows] == [
-        r.accept_hist for r in eager.rows]
-    drafter.graphs = None
+        r.accept_hist for r in reference_rows]
 
 
 class Alternate(Policy):
@@ -134,7 +133,7 @@ def test_feature_sync_when_another_arm_runs_between(smol, prompts, reference, dr
 
 def test_training_passes_match_incremental_drafting(smol):
     """Unrolled pass j at slot s == drafting with the KV cache: true slots up to s-j, then j
-    steps on the drafter's own predicted features (what propose does)."""
+    steps on the drafter's own predicted features (what drafting does)."""
     model, _ = smol
     torch.manual_seed(0)
     module = EagleModule(model.shape, EagleConfig(n_layers=2, out_norm=True, in_norm=True))

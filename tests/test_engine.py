@@ -11,6 +11,7 @@ from flashspec.bandits import Policy
 from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import DraftContext, Drafter, ModelDrafter, NgramDrafter
 from flashspec.engine import SpecEngine
+from flashspec.resident import ResidentLoop
 from flashspec.errors import FlashSpecError
 from flashspec.models import LlamaLM, load_model, smollm2_dir
 
@@ -120,7 +121,8 @@ class Cycle(Policy):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_static_step_path_equals_target(smol, prompts, reference, drafters, batch):
-    """graphs=True (static buffers, attention over the whole cache; eager on a CPU) is exact."""
+    """graphs=True (the captured stepper: device state, attention over the whole static cache;
+    eager on a CPU) is exact."""
     model, tok = smol
     arm_set = [ARMS["ngram"], Arm("ngram", 2), Arm()]
     engine = SpecEngine(model, arm_set, Cycle(len(arm_set)), eos_ids=[tok.eos_token_id], graphs=True,
@@ -128,7 +130,7 @@ def test_static_step_path_equals_target(smol, prompts, reference, drafters, batc
     rows = ([engine.generate([p], N_NEW).rows[0] for p in prompts] if batch == 1
             else engine.generate(prompts, N_NEW).rows)
     assert [r.tokens for r in rows] == reference
-    assert engine.step_runner is not None and len(engine.step_runner.slots) >= 2
+    assert isinstance(engine.stepper, ResidentLoop) and engine.chunk == 1
 
 
 def test_ragged_batch_keeps_each_rows_acceptance(smol, prompts, drafters):

@@ -118,16 +118,17 @@ EAGLE = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2_eagle_lr7
                                                     ("bandit_resident", 0.7, 50),
                                                     ("qwen2lm", 1.0, 0)])
 def test_engine_output_distribution_is_the_targets(request, kind, temperature, top_k):
-    """``*_static``: graphs=True, i.e. the CUDA-graph code path (static buffers, drafts sampled
-    by counter-based Gumbel-max) run eagerly on the CPU; ``*_resident``: the resident loop
-    (device state, device n-gram lookup, device seeds; n-gram and a full-q self-drafter under a
-    bandit, top-k), eagerly on the CPU. ``eagletree_resident``: UCB1 over the trained EAGLE
-    drafter as a γ=2 chain (full q) and as a dynamic dyn4d2k2 draft tree (children drawn
-    without replacement from counter-based streams, the sampled rank, tree verify, K/V
-    compaction) in the resident loop. The reference loop's tree step shares that drafting
-    (``EagleDrafter._grow``) and the tree rule; its torch-generator draws are not gated here (a
-    500-row tree gate costs about four minutes of CPU); the tree rule itself is gated on both
-    backends in test_exactness_tree.py, and so is the dynamic tree's growth. This gate sees the
+    """Without a suffix: the reference stepper; ``*_static``: graphs=True, the captured stepper
+    with one step a chunk; ``*_resident``: the captured stepper in chunks (device state, device
+    n-gram lookup, device seeds; n-gram and a full-q self-drafter under a bandit, top-k), both
+    eagerly on the CPU. Every stepper samples drafts by counter-based Gumbel-max through the
+    same drafter protocol. ``eagletree_resident``: UCB1 over the trained EAGLE drafter as a γ=2
+    chain (full q) and as a dynamic dyn4d2k2 draft tree (children drawn without replacement
+    from counter-based streams, the sampled rank, tree verify, K/V compaction) in the captured
+    stepper; the reference stepper's tree step is the same drafting and tree rule (its tokens
+    equal the captured stepper's: test_trees.py), not gated again here (a 500-row tree gate
+    costs about four minutes of CPU); the tree rule itself is gated on both backends in
+    test_exactness_tree.py, and so is the dynamic tree's growth. This gate sees the
     first two tokens only: EAGLE-2's own-score rank, planted, passes it (its bias shows at the
     second token of a tree step, weakly here); the table gate is where that bug fails.
     ``qwen2lm``: the qwen2 target and its separate qwen2 draft LM (γ 2), of other shapes."""
@@ -162,17 +163,13 @@ def test_engine_output_distribution_is_the_targets(request, kind, temperature, t
 @pytest.mark.parametrize("resident", [False, True])
 def test_engine_gate_catches_a_drafter_that_lies_about_q(small, resident):
     """Power at the engine level: a drafter that reports a q other than the one it sampled from
-    (here: uniform, so nearly every draft is accepted) fails the gate, in both loops."""
+    (here: uniform, so nearly every draft is accepted) fails the gate, under both steppers."""
     model, prompt = small
 
     class WrongQ(ModelDrafter):
-        def propose(self, state, gamma, params, generator):
-            tokens, logits = super().propose(state, gamma, params, generator)
-            return tokens, torch.zeros_like(logits)  # sampled from q, reported as uniform
-
-        def resident_draft(self, tokens, lengths, gamma, params, seed):
-            drafts, logits, real = super().resident_draft(tokens, lengths, gamma, params, seed)
-            return drafts, torch.zeros_like(logits), real
+        def draft(self, tokens, lengths, gamma, params, seed):
+            drafts, logits, real = super().draft(tokens, lengths, gamma, params, seed)
+            return drafts, torch.zeros_like(logits), real  # sampled from q, reported as uniform
 
     params = SamplingParams(temperature=1.0)
     spec = sample_pairs(model, prompt, [Arm("liar", 2)], params, seed=5, resident=resident,

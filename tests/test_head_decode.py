@@ -89,17 +89,16 @@ def test_stream_concatenates_steps_of_one_method():
 
 
 def test_ngram_hit_feature_and_contextual_keys():
-    import torch
     from flashspec.bandits.contextual import PerDomain
-    from flashspec.drafters.base import DecodeState
+    from flashspec.drafters import HostFacts
     from flashspec.drafters.ngram import NgramDrafter
 
-    def state(rows):
-        return DecodeState(tokens=torch.zeros(len(rows), 8, dtype=torch.long), lengths=[len(r) for r in rows],
-                           host_tokens=[list(r) for r in rows], finished=[False] * len(rows))
+    def features(rows, finished=None):
+        return NgramDrafter(3, 1).features([list(r) for r in rows], finished or [False] * len(rows))
 
-    d = NgramDrafter(3, 1)
-    assert d.features(state([[5, 6, 7, 5]])) == {"ngram_hit": True}    # 5 seen before: copy 6
-    assert d.features(state([[5, 6, 7, 8]])) == {"ngram_hit": False}
-    assert d.features(state([[5, 6, 7, 5], [1, 2]])) == {"ngram_hit": False}  # all live rows must hit
+    assert isinstance(NgramDrafter(), HostFacts)
+    assert features([[5, 6, 7, 5]]) == {"ngram_hit": True}    # 5 seen before: copy 6
+    assert features([[5, 6, 7, 8]]) == {"ngram_hit": False}
+    assert features([[5, 6, 7, 5], [1, 2]]) == {"ngram_hit": False}  # all live rows must hit
+    assert features([[5, 6, 7, 5], [1, 2]], [False, True]) == {"ngram_hit": True}  # live rows only
     assert PerDomain(2, key="ngram_hit").context_keys == ("ngram_hit",)

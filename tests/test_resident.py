@@ -1,5 +1,7 @@
-"""The resident loop's device-state logic (commit, EOS, budgets, ragged acceptance, seeds) against
-the reference loop, on SmolLM2 cut to four layers (real weights, fp32, CPU: every step eager).
+"""The captured stepper's device-state logic (commit, EOS, budgets, ragged acceptance, seeds,
+drafters' catch-up) against the reference stepper, the oracle, on SmolLM2 cut to four layers
+(real weights, fp32, CPU: every step eager). Both draft through the same drafter protocol, so
+their tokens, steps, counters and histograms agree exactly, greedy and sampled.
 
 The distribution gate of the resident path is in test_exactness_engine.py (``*_resident``).
 """
@@ -14,14 +16,15 @@ from flashspec.bandits import UCB1
 from flashspec.bandits.base import Policy
 from flashspec.bandits.contextual import PerDomain
 from flashspec.core import Arm, SamplingParams
-from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter, NgramDrafter
+from flashspec.drafters import DraftContext, EagleDrafter, ModelDrafter, NgramDrafter
 from flashspec.drafters.ngram import device_lookup, lookup
 from flashspec.engine import SpecEngine
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import Prefill
 from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
-from flashspec.resident import ResidentLoop, Snapshot, catch_up_width, catch_up_widths, run_chunks
+from flashspec.resident import ResidentLoop
+from flashspec.stepper import Snapshot, catch_up_width, catch_up_widths, run_chunks
 from test_engine import small_model_dir
 from conftest import drive_as_on_a_gpu
 from test_exactness_engine import EAGLE
@@ -86,8 +89,8 @@ def run(model, prompts, arms, eos, drafters=(), **kw):
 
 @pytest.mark.parametrize("name,gamma", [("ngram", 4), ("skip", 3), ("eagle", 3), ("eagle", 1)])
 def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
-    """Same tokens (EOS inside accepted runs, ragged prompts, budget clipping) and, for model
-    drafters, the same steps, accepted counts and acceptance histograms, at B = 1 and 3."""
+    """Same tokens (EOS inside accepted runs, ragged prompts, budget clipping), steps,
+    proposed and accepted counts and acceptance histograms, at B = 1 and 3."""
     model, prompts = small
     arms = [Arm(name, gamma)]
     ref = run(model, prompts, arms, eos, drafters)
@@ -100,9 +103,8 @@ def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
                   for p in prompts]
         for got in (batch, single):
             assert [r.tokens for r in got] == [r.tokens for r in ref]
-            if name != "ngram":   # n-gram: the resident loop counts real drafts per row
-                assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
-                       [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+            assert [(r.steps, r.n_proposed, r.n_accepted, r.accept_hist) for r in got] == \
+                   [(r.steps, r.n_proposed, r.n_accepted, r.accept_hist) for r in ref]
             assert [len(r.arms) for r in got] == [r.steps for r in got]
 
 
@@ -144,14 +146,18 @@ def test_resident_sampling_uses_the_reference_seeds(small, eos):
 
 
 @pytest.mark.parametrize("name", ["skip", "eagle", "ngram"])
-def test_resident_sampled_run_does_not_depend_on_chunking(small, drafters, eos, name):
+def test_resident_sampled_run_equals_reference_at_any_chunking(small, drafters, eos, name):
+    """Sampled drafts and verifies draw from the same counter-based streams of the steps' seeds
+    in both steppers: the same tokens and counters, whatever the chunk size."""
     model, prompts = small
     params = SamplingParams(temperature=1.0, top_k=20)
     arms = [Arm(name, 3)]
+    ref = run(model, prompts, arms, eos, drafters, params=params)
     a = run(model, prompts, arms, eos, drafters, params=params, resident=True, chunk=1)
     b = run(model, prompts, arms, eos, drafters, params=params, resident=True, chunk=6)
-    assert [r.tokens for r in a] == [r.tokens for r in b]
-    assert [r.n_accepted for r in a] == [r.n_accepted for r in b]
+    for got in (a, b):
+        assert [(r.tokens, r.n_proposed, r.n_accepted) for r in got] == \
+               [(r.tokens, r.n_proposed, r.n_accepted) for r in ref]
 
 
 def test_resident_bandit_and_planner_keep_greedy_output(small, drafters, eos):
@@ -203,11 +209,10 @@ def smol():
 @pytest.mark.parametrize("name", ["eagle", "skip"])
 def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
     """Plain target steps, and a narrower γ after a wider one, commit tokens outside the
-    drafter's fixed resident window: the resident loop catches the drafter up over them before
-    it drafts again, and the reference loop keeps the prompt's features when the first step is
-    not the drafter's. The two loops then draft alike: same tokens, steps, accepted counts and
-    histograms, with drafts accepted (the EAGLE case failed without the reference loop's fix;
-    this schedule never leaves a drafter behind by more than its window, so the catch-up itself
+    drafter's fixed drafting window: both steppers catch the drafter up over them before it
+    drafts again, and keep the prompt's features when the first step is not the drafter's. They
+    then draft alike: same tokens, steps, accepted counts and histograms, with drafts accepted
+    (this schedule never leaves a drafter behind by more than its window, so the catch-up itself
     is tested by the next test; the layer-skip drafter reads the target's own cache and cannot
     fall behind)."""
     model, prompts, drafters = smol
@@ -226,7 +231,7 @@ def test_drafters_catch_up_after_steps_they_did_not_draft(smol, name):
 def test_eagle_catch_up_is_needed_and_done(smol, monkeypatch, gammas, run_len):
     """Schedules that leave EAGLE behind by more than its resident window (γ + 1 tokens): six
     plain steps before a γ1 step, or a γ1 step after a γ4 step that committed up to five
-    tokens. With the catch-up the resident loop drafts as the reference loop does (same steps,
+    tokens. With the catch-up the captured stepper drafts as the reference stepper does (same steps,
     accepted counts, histograms); with ``ResidentLoop._catch_up`` planted as a no-op it does
     not (the schedule of the test above never falls that far behind, and passes either way)."""
     model, prompts, drafters = smol
@@ -245,75 +250,70 @@ def test_eagle_catch_up_is_needed_and_done(smol, monkeypatch, gammas, run_len):
 @pytest.mark.parametrize("name,gamma", [("eagle", 3), ("ngram", 4)])
 def test_drafting_ahead_equals_reference_loop(small, drafters, eos, overlapped, name, gamma):
     """Driven as on a GPU (each chunk's first drafting queued ahead of the host's read), a
-    resident run gives the reference loop's tokens and, for a model drafter, its steps,
-    accepted counts and histograms: the drafting of a step only moved before the host's wait."""
+    resident run gives the reference stepper's tokens, steps, counts and histograms: the
+    drafting of a step only moved before the host's wait."""
     model, prompts = small
     arms = [Arm(name, gamma)]
     ref = run(model, prompts, arms, eos, drafters)
     for chunk in (1, 3):
         got = run(model, prompts, arms, eos, drafters, resident=True, chunk=chunk)
-        assert [r.tokens for r in got] == [r.tokens for r in ref]
-        if name != "ngram":
-            assert [(r.steps, r.n_accepted, r.accept_hist) for r in got] == \
-                   [(r.steps, r.n_accepted, r.accept_hist) for r in ref]
+        assert [(r.tokens, r.steps, r.n_proposed, r.n_accepted, r.accept_hist) for r in got] == \
+               [(r.tokens, r.steps, r.n_proposed, r.n_accepted, r.accept_hist) for r in ref]
 
 
 @pytest.mark.parametrize("name", ["eagle", "skip"])
 def test_drafting_ahead_catches_drafters_up(smol, monkeypatch, name):
     """Driven as on a GPU, the policy's choices take effect a chunk late (the second chunk
     repeats the first choice), and a drafter's catch-up runs before a drafting queued ahead:
-    switching between plain steps and chains of several γ gives the reference loop's tokens,
+    switching between plain steps and chains of several γ gives the reference stepper's tokens,
     steps, accepted counts and histograms under the same schedule, with the catch-ups of the
     eager resident loop (over the same windows)."""
     model, prompts, drafters = smol
     drafter = drafters[name]
     arms = [Arm(), Arm(name, 4), Arm(name, 1), Arm(name, 3)]
     widths: dict[str, list[int]] = {"eager": [], "ahead": []}
-    catch_up = drafter.resident_catch_up
+    catch_up = drafter.catch_up
     ref = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3, lead=1))
     assert sum(r.n_accepted for r in ref) > 10
     try:
         for mode, lead in (("eager", 1), ("ahead", 0)):
             if mode == "ahead":
                 drive_as_on_a_gpu(monkeypatch)
-            drafter.resident_catch_up = lambda *a, _w=widths[mode], **k: (_w.append(a[2]),
-                                                                         catch_up(*a, **k))[1]
+            drafter.catch_up = lambda *a, _w=widths[mode]: (_w.append(a[2]), catch_up(*a))[1]
             got = run(model, prompts, arms, [], drafters, policy=Cycle(len(arms), 3, lead=lead),
                       resident=True, chunk=1)
             assert [r.arms for r in got] == [r.arms for r in ref]
             assert [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in got] == \
                    [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
     finally:
-        del drafter.resident_catch_up
+        del drafter.catch_up
     assert widths["ahead"] == widths["eager"] and len(widths["eager"]) >= 2
 
 
-def test_prepare_catch_up_runs_each_window_once(smol):
+def test_prepare_catch_up_runs_each_window_once(small, drafters):
     """Before each batch, ``ResidentLoop.prepare`` readies every catch-up window of a drafter
-    (on a GPU: records its graph). A window the drafter already has for that batch shape and
-    those buffers runs nothing again (a later batch replays nothing inside its timing), one it
-    lacks is recorded. Eager here: the same GraphCache slots."""
-    model, prompts, drafters = smol
+    (on a GPU: records its graph). A window the stepper already has for that batch shape and
+    those drafter buffers runs nothing again (a later batch replays nothing inside its timing).
+    Eager here: the same GraphCache slots."""
+    model, prompts = small
     eagle = drafters["eagle"]
-    run(model, prompts, [Arm("eagle", 3)], [], drafters, resident=True)   # buffers for the 3 rows
-    batch, top = eagle.feats.shape[0], 63          # a 64-token buffer: windows 4 .. 63
-    tokens = torch.zeros(batch, top + 1, dtype=torch.long)
-    lengths = torch.full((batch,), top)
-    widths, calls = catch_up_widths(top), []
+    engine = SpecEngine(model, [Arm("eagle", 3)], drafters=[eagle], resident=True)
+    engine.min_capacity = 64
+    engine.generate(prompts, 4)
+    loop, calls = engine.stepper, []
+    loop.catch_ups["eagle"].clear()
+    widths = catch_up_widths(loop.state.dump)
     inner = eagle._catch_up
     eagle._catch_up = lambda t, p, span: (calls.append(t.shape), inner(t, p, span))[1]
-    eagle._catch_graphs = None
     try:
         with torch.inference_mode():                 # as the engine runs it
-            eagle.prepare_catch_up(tokens, lengths, widths[:2], capture=False)
-            assert calls == [(batch, w) for w in widths[:2]]
-            eagle.prepare_catch_up(tokens, lengths, widths, capture=False)   # the rest only
-            assert calls == [(batch, w) for w in widths]
-            eagle.prepare_catch_up(tokens, lengths, widths, capture=False)   # nothing
+            loop.prepare_catch_up(["eagle"])
+            assert calls == [(len(prompts), w) for w in widths]
+            loop.prepare_catch_up(["eagle"])           # nothing
             assert len(calls) == len(widths)
     finally:
         del eagle._catch_up
-        eagle._catch_graphs = None
+        loop.catch_ups["eagle"].clear()
 
 
 @pytest.mark.parametrize("top", [3, 5, 64, 1024, 1030, 4096])
@@ -331,13 +331,6 @@ def test_catch_up_windows_captured_up_front_cover_every_window(top):
 
 def test_resident_refuses_what_it_cannot_run(small, drafters):
     model, _ = small
-
-    class HostOnly(Drafter):
-        def propose(self, state, gamma, params, generator):
-            raise AssertionError
-
-    with pytest.raises(FlashSpecError, match="cannot draft in the resident loop"):
-        SpecEngine(model, [Arm("drafter", 2)], resident=True, drafters=[HostOnly()])
     arms = [Arm("ngram", 2), Arm("skip", 2)]
     with pytest.raises(FlashSpecError, match="step and domain only"):
         SpecEngine(model, arms, policy=PerDomain(2, seed=0, key="ngram_hit"), resident=True,
@@ -346,10 +339,11 @@ def test_resident_refuses_what_it_cannot_run(small, drafters):
         SpecEngine(model, arms[:1], resident=True, chunk=0, drafters=[drafters["ngram"]])
 
 
-def test_resident_flags_nan_logits(small, drafters):
+@pytest.mark.parametrize("resident", [False, True])
+def test_flags_nan_logits(small, drafters, resident):
     """A NaN in the target's logits stops the run with an error instead of emitting tokens."""
     model, prompts = small
-    engine = SpecEngine(model, [Arm("ngram", 2)], resident=True, drafters=[drafters["ngram"]])
+    engine = SpecEngine(model, [Arm("ngram", 2)], resident=resident, drafters=[drafters["ngram"]])
     saved = model.lm_head.weight.data[0, 0].item()
     model.lm_head.weight.data[0, 0] = float("nan")
     try:

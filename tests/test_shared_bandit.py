@@ -119,8 +119,9 @@ def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny, planned
     """Greedy speculative decoding is the target's greedy decoding whatever the policy plays;
     the policy learned from the engine's step outcomes (per-depth counts grew) over chains of
     two drafters at several γ and an n-gram tree, with and without the width planner cutting
-    the chosen arm (a tree played as a chain of its drafter included), and refuses the
-    resident loop (it reports chunk totals, not each step's accepted drafts)."""
+    the chosen arm (a tree played as a chain of its drafter included); the captured stepper
+    gives it the same per-step outcomes in chunks of one step, and refuses longer chunks (they
+    report chunk totals, not each step's accepted drafts)."""
     from flashspec.drafters import ModelDrafter, NgramDrafter
     from flashspec.engine import SpecEngine
     from flashspec.planner import WidthPlanner
@@ -135,6 +136,12 @@ def test_greedy_decoding_under_the_shared_policy_equals_the_target(tiny, planned
     assert [r.tokens for r in rows] == [r.tokens for r in ar]
     assert policy.t > 0 and policy._reach.sum() > 0
     assert set(policy.depth_rates) == {"ngram", "ngram@2x1x1", "skip1"}
-    with pytest.raises(FlashSpecError, match="resident_loop=false"):
+    policy = SharedDepthThompson(len(arms), 0, reward="tps", reward_scale=200.0)
+    engine = SpecEngine(model, arms, policy, planner=WidthPlanner() if planned else None,
+                        drafters=[ngram, skip], resident=True, chunk=1)
+    engine.min_capacity = 64
+    assert [r.tokens for r in engine.generate(prompts, 24).rows] == [r.tokens for r in ar]
+    assert policy.t > 0 and policy._reach.sum() > 0
+    with pytest.raises(FlashSpecError, match="resident_chunk=1"):
         SpecEngine(model, arms, SharedDepthThompson(len(arms), 0, reward="tps"), resident=True,
-                   drafters=[ngram, skip])
+                   chunk=2, drafters=[ngram, skip])

@@ -280,9 +280,9 @@ def test_tree_greedy_equals_target_only(smol, spec) -> None:
 
 @pytest.mark.parametrize("spec", ["3x2x1", "dyn12"])
 def test_resident_tree_equals_reference_loop(smol, spec) -> None:
-    """A tree arm in the resident loop (drafting over the device token buffer, one target pass
+    """A tree arm in the captured stepper (drafting over the device token buffer, one target pass
     over the whole cache, verify_tree, K/V compaction, features to the drafter; every step
-    eager here) gives the reference loop's tokens, steps, accepted counts and histograms:
+    eager here) gives the reference stepper's tokens, steps, accepted counts and histograms:
     ragged acceptance, an EOS inside accepted runs, a budget that ends inside one."""
     model, tok, prompts, eagle = smol
     ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
@@ -299,8 +299,8 @@ def test_resident_tree_equals_reference_loop(smol, spec) -> None:
 
 
 def test_ngram_tree_greedy_equals_target_only(smol) -> None:
-    """An n-gram draft tree (3 continuations, 4 deep) in the reference loop and the resident
-    loop (eager, chunks of 1 and 4) gives the target's greedy tokens, with an EOS and a budget
+    """An n-gram draft tree (3 continuations, 4 deep) in the reference stepper and the captured
+    stepper (eager, chunks of 1 and 4) gives the target's greedy tokens, with an EOS and a budget
     inside accepted runs; both loops take the same steps and accept the same counts, and the
     tree accepts more than the n-gram chain of its depth (its other branches are used)."""
     model, tok, prompts, _ = smol
@@ -325,7 +325,7 @@ def test_ngram_tree_greedy_equals_target_only(smol) -> None:
 @pytest.mark.parametrize("chunk", [1, 4])
 def test_tree_drafted_ahead_equals_reference_loop(smol, overlapped, chunk) -> None:
     """Driven as on a GPU (each chunk's first tree drafted before the host reads the chunk in
-    flight), a resident tree arm gives the reference loop's tokens, steps, accepted counts and
+    flight), a resident tree arm gives the reference stepper's tokens, steps, accepted counts and
     histograms, an EOS inside accepted runs included."""
     model, tok, prompts, eagle = smol
     ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows

@@ -7,11 +7,11 @@ shared head, or a low-rank head) turns it into the distribution of x_{s+1}. Draf
 autoregressive on predicted features: slot L-1 (true feature f_{L-2}) gives d_1, slot L reads
 (f̂_{L-1}, d_1) and gives d_2, and so on.
 
-Cache sync: slots fed with a true feature and a committed token are valid (``filled``); the
-speculative slots are overwritten at the next step (rollback is bookkeeping only). The target
-features of committed positions come from ``DecodeState.hidden`` (set by the engine after every
-target forward), copied into the drafter's own per-row feature buffer so no target forward is
-ever repeated, even when another arm ran the previous steps.
+Cache sync: every drafting re-reads a fixed window of the last γ + 1 committed tokens, which
+rewrites the slots the last step left speculative (rollback is bookkeeping only). The target
+features of committed positions come from ``absorb`` (every target step's hidden states, fed by
+the stepper) and ``start`` (the prompt's), kept in the drafter's own per-row feature buffer so
+no target forward is ever repeated, even when another arm ran the previous steps.
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from flashspec.core import SamplingParams, TreeAttention, TreeDraft, TreeShape
-from flashspec.drafters.base import (DecodeState, DraftContext, Drafter, GraphedDrafting,
-                                     resident_window)
+from flashspec.drafters.base import DraftContext, Drafter, WindowDrafting, resident_window
 from flashspec.drafters.eagle_checkpoint import load_eagle
 from flashspec.drafters.eagle_module import EagleModule
 from flashspec.errors import FlashSpecError
@@ -51,7 +50,7 @@ class CastHead(nn.Module):
         return linear(h.to(self.weight.dtype), self.weight)
 
 
-class EagleDrafter(GraphedDrafting, Drafter):
+class EagleDrafter(WindowDrafting, Drafter):
     """Drafts γ tokens per row from the target's features with an :class:`EagleModule`."""
 
     def __init__(self, target: LlamaLM, module: EagleModule, head: nn.Module | None = None,
@@ -66,8 +65,6 @@ class EagleDrafter(GraphedDrafting, Drafter):
         self.head = head if head is not None else target.lm_head
         self.cache: KVCache | None = None
         self.feats: torch.Tensor | None = None   # [B, capacity + 2, d]: f_{p} at column p + 1
-        self.filled: list[int] = []
-        self.known: list[int] = []               # features f_0 .. f_{known-1} are stored
 
     # ------------------------------------------------------------------ state
     def reset(self, batch: int, capacity: int) -> None:
@@ -76,28 +73,17 @@ class EagleDrafter(GraphedDrafting, Drafter):
             self.cache = self.module.new_cache(batch, capacity, dt, dev)
             self.feats = torch.zeros(batch, capacity + 2, self.target.shape.hidden_size,
                                      dtype=dt, device=dev)
-            if self.graphs is not None:
-                self.graphs.clear()
         self.feats.zero_()
-        self.filled, self.known = [0] * batch, [0] * batch
 
-    def start(self, state: DecodeState) -> None:
-        self._absorb(state)       # the prompt's features, before a plain step replaces them
-
-    def _absorb(self, state: DecodeState) -> None:
-        """Copy the committed columns of ``state.hidden`` into the feature buffer (idempotent)."""
-        if state.hidden is None or not any(state.hidden_valid):
-            return
-        hidden, width = state.hidden, state.hidden.shape[1]
+    def start(self, tokens: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The prompt's features (positions below lengths - 1) into the feature buffer, then
+        the module over the prompt window."""
         dump = self.feats.shape[1] - 1
-        cols = torch.arange(width)
-        idx = torch.tensor(state.hidden_start)[:, None] + 1 + cols
-        valid = cols[None] < torch.tensor(state.hidden_valid)[:, None]
-        idx = torch.where(valid, idx.clamp(max=dump - 1), torch.full_like(idx, dump))
-        idx = idx.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1])
-        self.feats.scatter_(1, idx, hidden.to(self.feats.dtype))
-        self.known = [max(k, s + v) if v else k for k, s, v in
-                      zip(self.known, state.hidden_start, state.hidden_valid)]
+        cols = torch.arange(hidden.shape[1], device=hidden.device)
+        idx = torch.where(cols[None] < (lengths - 1)[:, None], cols[None] + 1, dump)
+        self.feats.scatter_(1, idx[..., None].expand(-1, -1, hidden.shape[-1]),
+                            hidden.to(self.feats.dtype))
+        super().start(tokens, lengths, hidden)
 
     def _run(self, src: torch.Tensor, cols: torch.Tensor | None, tokens: torch.Tensor,
              positions: torch.Tensor, span: int | None) -> torch.Tensor:
@@ -128,55 +114,22 @@ class EagleDrafter(GraphedDrafting, Drafter):
         return usable(x, positions, self.cache)
 
     # ------------------------------------------------------------------ drafting
-    def _window(self, state: DecodeState) -> tuple[list[int], int]:
-        """Absorb the last step's features; the catch-up window (starts, width) to run."""
-        self._absorb(state)
-        lengths = state.lengths
-        missing = [b for b, (n, k) in enumerate(zip(lengths, self.known)) if k < n - 1]
-        if missing:
-            raise FlashSpecError(f"eagle drafter lacks target features for rows {missing}; it "
-                                 "must be reset by the engine before the prompt's prefill")
-        width = max(1, max(n - f for n, f in zip(lengths, self.filled)))
-        return [max(0, n - width) for n in lengths], width
-
-    @torch.inference_mode()
-    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        starts, width = self._window(state)
-        drafts, logits = self._drafts(state, starts, width, gamma, params, generator)
-        self.filled = list(state.lengths)  # speculative slots used predicted features: never valid
-        return drafts, logits
-
     tree = True
 
-    @torch.inference_mode()
-    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
-                     generator: torch.Generator | None) -> TreeDraft:
-        """A draft tree per row (:func:`flashspec.tree.grow_tree`): the catch-up window gives
-        the root's predicted feature; each new frontier node runs the module once, in drafter
-        cache slot L - 1 + its candidate id, attending the prefix and its ancestors. Children
-        are the top draft tokens when greedy, else drawn without replacement from q (the
-        drafter's warped logits, returned with the tree for verification)."""
-        starts, width = self._window(state)
-        tokens, positions = state.window(starts, width)
-        lengths = torch.tensor(state.lengths, device=state.device)
-        root = lengths - 1 - torch.tensor(starts, device=state.device)
-        tree = self._grow(tokens, positions, root, lengths, state.tokens, shape, params,
-                          max(state.lengths), generator, None)
-        self.filled = list(state.lengths)
-        return tree
-
-    def _grow(self, window: torch.Tensor, positions: torch.Tensor, root: torch.Tensor,
-              lengths: torch.Tensor, tokens: torch.Tensor, shape: TreeShape,
-              params: SamplingParams, span: int | None, generator: torch.Generator | None,
-              seed: torch.Tensor | None) -> TreeDraft:
-        """The tree drafting of ``propose_tree`` and ``resident_tree``: the catch-up ``window``
-        at ``positions`` [B, w] (column ``root[b]``: row b's last committed token) gives the
-        root's predicted feature, then :func:`flashspec.tree.grow_tree` over ``lengths``.
-        ``span`` None attends the whole cache (no host-known length: what a graph needs)."""
+    def draft_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
+                   params: SamplingParams, seed: torch.Tensor) -> TreeDraft:
+        """A draft tree per row (:func:`flashspec.tree.grow_tree`) from the committed ``tokens``
+        [B, C] of ``lengths`` [B]: the fixed window of the last depth + 1 committed tokens (as
+        ``draft``: a step accepts at most depth drafts, so it covers every slot the last step
+        left unfilled) gives the root's predicted feature; each new frontier node runs the
+        module once, in drafter cache slot L - 1 + its candidate id, attending the prefix and
+        its ancestors (the whole cache: no host-known length). Children are the top draft
+        tokens when greedy, else drawn without replacement from q (the drafter's warped
+        logits, returned with the tree)."""
+        window, positions, root = resident_window(tokens, lengths, shape.max_depth + 1)
         batch, dev = window.shape[0], window.device
-        tree_span = self.cache.capacity if span is None else span + shape.candidates
-        out = self._run(self.feats, positions, window, positions, span)
+        tree_span = self.cache.capacity
+        out = self._run(self.feats, positions, window, positions, None)
         rows = torch.arange(batch, device=dev)
         root_feat = out[rows, root]
         base = lengths - 1
@@ -203,7 +156,7 @@ class EagleDrafter(GraphedDrafting, Drafter):
             return self._scaled(self.head(new))
 
         return grow_tree(self._scaled(self.head(root_feat)), tokens[rows, base], shape, expand,
-                         params, generator, seed)
+                         params, None, None if params.greedy else seed)
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits with ``draft_temperature`` applied (what drafts are drawn from)."""
@@ -211,41 +164,26 @@ class EagleDrafter(GraphedDrafting, Drafter):
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,
-               generator: torch.Generator | None, seed: torch.Tensor | None, span: int | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device part of ``propose`` (see :class:`GraphedDrafting`)."""
-        out = self._run(self.feats, positions, tokens, positions, span)
+               seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """γ drafts after the window (see :class:`WindowDrafting`), autoregressive on the
+        module's predicted features."""
+        out = self._run(self.feats, positions, tokens, positions, None)
         h = out[torch.arange(tokens.shape[0], device=tokens.device), last_idx]
         drafts, draft_logits = [], []
         for i in range(gamma):
             logits = self._scaled(self.head(h))   # q is what was sampled from: still exact
-            tok = sample(logits, params, generator, seed, i)
+            tok = sample(logits, params, None, seed, i)
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:
-                h = self._run(h[:, None], None, tok[:, None], (last_pos + i)[:, None],
-                              None if span is None else span + i + 1)[:, 0]
+                h = self._run(h[:, None], None, tok[:, None], (last_pos + i)[:, None], None)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
-    # ------------------------------------------------------------------ resident loop
-    def resident_start(self, state: DecodeState, capture: bool = False) -> None:
-        self._absorb(state)
-        super().resident_start(state, capture)
-
+    # ------------------------------------------------------------------ the stepper's calls
     def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
         self._run(self.feats, positions, tokens, positions, span)
 
-    def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
-                      params: SamplingParams, seed: torch.Tensor) -> TreeDraft:
-        """A draft tree per row from the committed ``tokens`` [B, C] of ``lengths`` [B]: the
-        fixed window of the last depth + 1 committed tokens (as ``resident_draft``: a step
-        accepts at most depth drafts, so it covers every slot the last step left unfilled),
-        then ``propose_tree``'s growth over the whole cache; device ops only."""
-        window, positions, root = resident_window(tokens, lengths, shape.max_depth + 1)
-        return self._grow(window, positions, root, lengths, tokens, shape, params, None, None,
-                          None if params.greedy else seed)
-
-    def resident_absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
+    def absorb(self, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
         """Features f_{L-1+j} of the step go to columns L + j; the columns of rejected drafts
         are rewritten by the next step before any window reads them."""
         cols = lengths[:, None] + torch.arange(hidden.shape[1], device=hidden.device)
@@ -253,12 +191,8 @@ class EagleDrafter(GraphedDrafting, Drafter):
         self.feats.scatter_(1, cols[..., None].expand(-1, -1, hidden.shape[-1]),
                             hidden.to(self.feats.dtype))
 
-    def resident_buffers(self) -> tuple:
+    def buffers(self) -> tuple:
         return (self.feats.data_ptr(), self.cache.k.data_ptr())
-
-    def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
-        self._absorb(state)
-        self.filled = [min(f, n) for f, n in zip(self.filled, state.lengths)]
 
     # ------------------------------------------------------------------ building
     @classmethod

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from flashspec.core import SamplingParams
-from flashspec.drafters.base import DecodeState, DraftContext, Drafter, GraphedDrafting
+from flashspec.drafters.base import DraftContext, Drafter, WindowDrafting
 from flashspec.errors import FlashSpecError
 from flashspec.heads import FullHeadChoice, HeadChoice, load_head
 from flashspec.models import load_model
@@ -17,7 +17,7 @@ from flashspec.paths import repo_path
 from flashspec.verify.sampling import sample
 
 
-class ModelDrafter(GraphedDrafting, Drafter):
+class ModelDrafter(WindowDrafting, Drafter):
     """Autoregressive drafting with ``model`` restricted to ``layers`` (None: all of them).
 
     A layer-skip / early-exit self-drafter passes the target itself with a layer subset: the
@@ -30,7 +30,6 @@ class ModelDrafter(GraphedDrafting, Drafter):
         self.model, self.layers, self.name = model, layers, name
         self.head = head if head is not None else model.lm_head
         self.cache: KVCache | None = None
-        self.filled: list[int] = []
 
     @classmethod
     def layerskip(cls, ctx: DraftContext, name: str, first: int | None = None,
@@ -73,9 +72,6 @@ class ModelDrafter(GraphedDrafting, Drafter):
     def reset(self, batch: int, capacity: int) -> None:
         if self.cache is None or self.cache.k.shape[1] != batch or self.cache.capacity < capacity:
             self.cache = self.model.new_cache(batch, capacity, self.layers)
-            if self.graphs is not None:
-                self.graphs.clear()
-        self.filled = [0] * batch
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None,
               last_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,41 +81,25 @@ class ModelDrafter(GraphedDrafting, Drafter):
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_idx]
         return self.head(hidden)
 
-    @torch.inference_mode()
-    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = state.lengths
-        width = max(n - f for n, f in zip(lengths, self.filled))
-        starts = [max(0, n - width) for n in lengths]
-        drafts, logits = self._drafts(state, starts, width, gamma, params, generator)
-        self.filled = [n + gamma - 1 for n in lengths]
-        return drafts, logits
-
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor, last_idx: torch.Tensor,
                last_pos: torch.Tensor, gamma: int, params: SamplingParams,
-               generator: torch.Generator | None, seed: torch.Tensor | None, span: int | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device part of ``propose`` (see :class:`GraphedDrafting`)."""
-        logits = self._step(tokens, positions, span, last_idx)
+               seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """γ drafts after the window (see :class:`WindowDrafting`)."""
+        logits = self._step(tokens, positions, None, last_idx)
         drafts, draft_logits = [], []
         for i in range(gamma):
-            tok = sample(logits, params, generator, seed, i)
+            tok = sample(logits, params, None, seed, i)
             drafts.append(tok)
             draft_logits.append(logits)
             if i + 1 < gamma:
-                logits = self._step(tok[:, None], (last_pos + i)[:, None],
-                                    None if span is None else span + i + 1)[:, 0]
+                logits = self._step(tok[:, None], (last_pos + i)[:, None], None)[:, 0]
         return torch.stack(drafts, 1), torch.stack(draft_logits, 1)
 
     def _catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, span: int | None) -> None:
         self.model.forward_hidden(tokens, positions, self.cache, self.layers, span)
 
-    def resident_buffers(self) -> tuple:
+    def buffers(self) -> tuple:
         return (self.cache.k.data_ptr(),)
-
-    def observe(self, state: DecodeState, n_accepted: list[int]) -> None:
-        # positions up to the last accepted draft are valid; the correction token is not fed yet
-        self.filled = [min(f, n - 1) for f, n in zip(self.filled, state.lengths)]
 
 
 def layer_set(name: str, n_layers: int, first: int | None = None, skip: Sequence[int] | None = None,

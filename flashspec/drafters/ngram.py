@@ -2,10 +2,12 @@
 (a chain), or what followed several earlier matches (a draft tree of one chain per branch)."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from flashspec.core import SamplingParams, TreeDraft, TreeShape
-from flashspec.drafters.base import DecodeState, Drafter
+from flashspec.drafters.base import Drafter
 from flashspec.errors import FlashSpecError
 
 
@@ -132,57 +134,27 @@ class NgramIndex:
 
 
 class NgramDrafter(Drafter):
-    """Deterministic proposal (q is one-hot), free to compute, shares the target's tokenizer."""
+    """Deterministic proposal (q is one-hot), free to compute, shares the target's tokenizer.
+    Its host facts (:class:`flashspec.drafters.base.HostFacts`): whether each live row's suffix
+    has an earlier match, from an incremental index per row."""
 
-    one_hot = True      # propose() never returns draft logits
+    one_hot = True      # draft() never returns draft logits
+    tree = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "ngram") -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram, self.name = max_ngram, min_ngram, name
         self.index: dict[int, tuple[list[int], NgramIndex]] = {}   # row -> (its token list, index)
-        self._last: tuple | None = None
 
     def reset(self, batch: int, capacity: int) -> None:
-        self.index, self._last = {}, None
+        self.index = {}
 
-    resident = True
-
-    def resident_draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
-                       params: SamplingParams, seed: torch.Tensor
-                       ) -> tuple[torch.Tensor, None, torch.Tensor]:
+    def draft(self, tokens: torch.Tensor, lengths: torch.Tensor, gamma: int,
+              params: SamplingParams, seed: torch.Tensor
+              ) -> tuple[torch.Tensor, None, torch.Tensor]:
         drafts, real = device_lookup(tokens, lengths, gamma, self.max_ngram, self.min_ngram)
         return drafts, None, real
-
-    def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
-        owner, index = self.index.get(b, (None, None))
-        if owner is not tokens or index.seen > len(tokens):   # a new row list: start over
-            index = NgramIndex(self.max_ngram, self.min_ngram)
-            self.index[b] = (tokens, index)
-        return index.query(tokens, gamma)
-
-    def _found(self, state: DecodeState, gamma: int) -> list[list[int]]:
-        """Each row's continuation (<= gamma tokens). The answer for this state as it stands is
-        kept, so the planner's question and the proposal share one lookup (a shorter
-        continuation is a prefix of a longer one)."""
-        key = (tuple(state.lengths), tuple(state.finished))
-        last = self._last
-        if last is None or last[0] is not state or last[1] != key or last[2] < gamma:
-            found = [[] if done else self._lookup(b, toks, gamma)
-                     for b, (toks, done) in enumerate(zip(state.host_tokens, state.finished))]
-            self._last = last = (state, key, gamma, found)
-        return [f[:gamma] for f in last[3]]
-
-    def available(self, state: DecodeState, gamma: int) -> list[int]:
-        """How many tokens each row would get (0 for finished or unmatched rows)."""
-        return [len(f) for f in self._found(state, gamma)]
-
-    def features(self, state: DecodeState) -> dict[str, object]:
-        """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
-        hits = [n > 0 for n, done in zip(self.available(state, 1), state.finished) if not done]
-        return {"ngram_hit": bool(hits) and all(hits)}
-
-    tree = True
 
     def check_tree(self, shape: TreeShape) -> None:
         """The one tree n-gram lookup drafts: ``k x 1 x ... x 1``, a continuation per branch."""
@@ -190,23 +162,24 @@ class NgramDrafter(Drafter):
             raise FlashSpecError(f"an n-gram draft tree is one continuation per branch: write "
                                  f"k x 1 x ... x 1 (e.g. 3x1x1x1), not {shape.label}")
 
-    def propose_tree(self, state: DecodeState, shape: TreeShape, params: SamplingParams,
-                     generator: torch.Generator | None) -> TreeDraft:
-        lengths = torch.tensor(state.lengths, device=state.device)
-        return self.resident_tree(state.tokens, lengths, shape, params, None)
-
-    def resident_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
-                      params: SamplingParams, seed: torch.Tensor | None) -> TreeDraft:
+    def draft_tree(self, tokens: torch.Tensor, lengths: torch.Tensor, shape: TreeShape,
+                   params: SamplingParams, seed: torch.Tensor | None) -> TreeDraft:
         """``k`` continuations of :func:`device_branches` as a tree (one-hot drafts)."""
         self.check_tree(shape)
         drafts, _ = device_branches(tokens, lengths, shape.branching[0], shape.max_depth,
                                     self.max_ngram, self.min_ngram)
         return branch_tree(drafts, tokens.gather(1, (lengths - 1)[:, None])[:, 0])
 
-    def propose(self, state: DecodeState, gamma: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, None]:
-        found = self._found(state, gamma)
-        width = max(len(f) for f in found)
-        rows = [f + [f[-1] if f else toks[-1]] * (width - len(f))
-                for f, toks in zip(found, state.host_tokens)]
-        return torch.tensor(rows, dtype=torch.long, device=state.device).reshape(len(rows), width), None
+    def features(self, tokens: Sequence[list[int]], finished: Sequence[bool]
+                 ) -> dict[str, object]:
+        """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
+        hits = [bool(self._lookup(b, toks, 1)) for b, (toks, done)
+                in enumerate(zip(tokens, finished)) if not done]
+        return {"ngram_hit": bool(hits) and all(hits)}
+
+    def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
+        owner, index = self.index.get(b, (None, None))
+        if owner is not tokens or index.seen > len(tokens):   # a new row list: start over
+            index = NgramIndex(self.max_ngram, self.min_ngram)
+            self.index[b] = (tokens, index)
+        return index.query(tokens, gamma)

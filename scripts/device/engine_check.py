@@ -21,6 +21,7 @@ import torch
 from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.engine import SpecEngine
+from flashspec.planner import WidthPlanner
 from flashspec.models.loading import dummy_config, random_model
 
 
@@ -46,13 +47,18 @@ def run(engine: SpecEngine, batch: int, new: int) -> tuple[list[list[int]], floa
 
 
 def replay_ms(engine: SpecEngine, width: int, n: int = 200) -> float:
-    """GPU time of one graph replay of the verify step at ``width`` (batch 1), in ms."""
-    slot = engine.step_runner.slots[(1, width, False)]
-    slot.graph.replay()
+    """GPU time of one graph replay of the captured verify + commit of a chain step of
+    ``width`` tokens (batch 1; every row finished, so each replay scores the same positions),
+    in ms."""
+    loop = engine.stepper
+    arm = next(a for a in engine._step_arms() if a.tree is None and a.gamma == width - 1)
+    loop.state.finished.fill_(True)
+    graph = loop.graphs[arm].settle
+    graph.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
-        slot.graph.replay()
+        graph.replay()
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - t0) / n
 
@@ -65,7 +71,7 @@ def step_timing(model, arm: Arm, drafters: list, ref: dict, new: int, modes: tup
         try:
             t0 = time.perf_counter()
             engine = SpecEngine(model, [arm], backend="triton", graphs=True, compile=compiled,
-                                drafters=drafters)
+                                drafters=drafters, planner=WidthPlanner())   # every width captured
             run(engine, 1, 8)
             cold = time.perf_counter() - t0
             got, wall, tau = run(engine, 1, new)

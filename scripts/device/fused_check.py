@@ -7,9 +7,10 @@ A SmolLM2-shaped model with random weights (N(0, 0.05), as scripts/device/engine
     ``forward``: logits/hidden/KV max-abs-diff of one cached step of width 1, 5, 9 at B=1, 4
     (ragged positions after a reference prefill); ``greedy_equal``: engine tokens and acceptance
     (target-only AR and n-gram γ=8, triton verify, graphs on and off, B=1 and 4).
-(b) bf16 timing: CUDA-graph replay of the engine's verify step (GraphedStep) at widths 1, 5, 9,
-    B=1 and 32, reference vs fused, at a context of --context tokens (positions set in the
-    static buffers), plus the kernels per eager step (profiler) and the bf16 forward diff.
+(b) bf16 timing: CUDA-graph replay of the captured stepper's verify + commit of a chain step
+    (:func:`settle_run`) at widths 1, 5, 9, B=1 and 32, reference vs fused, at a context of
+    --context tokens (every row finished, so each replay runs at the same positions), plus the
+    kernels per eager step (profiler) and the bf16 forward diff.
 
 Prints one JSON line per result; exits 1 if an fp32 equality fails, 2 without CUDA.
 
@@ -108,11 +109,13 @@ def forward_check(model, batch: int, width: int) -> bool:
     return ok
 
 
-def generate(model, fused: bool, arm, graphs: bool, batch: int, new: int, drafters=()):
+def generate(model, fused: bool, arm, graphs: bool, batch: int, new: int, drafters=(),
+             planner=None):
     from flashspec.engine import SpecEngine
     from flashspec.models.fused import LAYERS
     model.decode_layers = LAYERS if fused else None
-    engine = SpecEngine(model, [arm], backend="triton", graphs=graphs, drafters=drafters)
+    engine = SpecEngine(model, [arm], backend="triton", graphs=graphs, drafters=drafters,
+                        planner=planner)
     res = engine.generate(prompts(batch, model.shape.vocab_size), new)
     return [r.tokens for r in res.rows], [r.accept_hist for r in res.rows], engine
 
@@ -136,14 +139,26 @@ def greedy_checks(model, new: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- (b) timing
+def settle_run(engine, width: int, context: int):
+    """(the verify + commit half of a chain step of ``width`` tokens at ``context``, whether a
+    graph replays it): every row is marked finished, so the step commits nothing and each run
+    scores the same positions."""
+    from flashspec.core import Arm
+    loop = engine.stepper
+    arm = next(a for a in engine._step_arms() if a.tree is None and a.gamma == width - 1)
+    loop.state.lengths.fill_(context + 1)
+    loop.state.finished.fill_(True)
+    entry = loop.graphs.get(arm)
+    if entry is not None:
+        return entry.settle.replay, True
+    proposal = loop.propose(arm) if arm.drafts else None
+    return (lambda: loop.settle(proposal) if proposal else loop.step(Arm())), False
+
+
 @torch.inference_mode()   # the static buffers are inference tensors
-def replay_ms(engine, key: tuple, context: int, replays: int) -> float:
-    """Time per replay of the captured step ``key`` = (B, width, False) at ``context``."""
-    runner = engine.step_runner
-    slot = runner.slots.get(key) or runner._slot(key[:2], None)   # CPU: slots made on use
-    batch, width = key[0], key[1]
-    slot.positions.copy_(context + torch.arange(width, device=slot.positions.device).expand(batch, -1))
-    run = slot.graph.replay if slot.graph is not None else (lambda: runner._run(slot))
+def replay_ms(engine, width: int, context: int, replays: int) -> float:
+    """Time per replay of the captured verify + commit of ``width`` tokens at ``context``."""
+    run, _ = settle_run(engine, width, context)
     run()
     sync(engine.target.device)
     t0 = time.perf_counter()
@@ -154,15 +169,19 @@ def replay_ms(engine, key: tuple, context: int, replays: int) -> float:
 
 
 @torch.inference_mode()
-def kernels_per_step(engine, key: tuple) -> int | None:
+def kernels_per_step(engine, width: int, context: int) -> int | None:
     """CUDA kernels launched by one eager run of the step (None where the profiler cannot)."""
     if engine.target.device.type != "cuda":
         return None
     try:
         from torch.profiler import ProfilerActivity, profile
-        slot = engine.step_runner.slots[key]
+        loop = engine.stepper
+        arm = next(a for a in engine._step_arms() if a.tree is None and a.gamma == width - 1)
+        settle_run(engine, width, context)
+        proposal = loop.propose(arm) if arm.drafts else None
+        torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.step_runner._run(slot)
+            loop.settle(proposal) if proposal else loop.step(arm)
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     except Exception:   # noqa: BLE001 - informative only
@@ -172,21 +191,24 @@ def kernels_per_step(engine, key: tuple) -> int | None:
 def timing(a, model) -> None:
     from flashspec.drafters import NgramDrafter
     from flashspec.core import Arm
+    from flashspec.planner import WidthPlanner
     for batch in ((1, 4) if a.tiny else (1, 32)):
         for fused in (False, True):
             t0 = time.perf_counter()
-            _, _, engine = generate(model, fused, Arm("ngram", 8), True, batch, 8, [NgramDrafter()])
+            # the planner's engine captures every width up to γ + 1
+            _, _, engine = generate(model, fused, Arm("ngram", 8), True, batch, 8, [NgramDrafter()],
+                                    planner=WidthPlanner())
             cold = time.perf_counter() - t0
             for width in (1, 5, 9):
-                key = (batch, width, False)
                 for context in sorted({128, a.context}):
                     if context + width > engine.cache.capacity:
                         continue
                     emit(check="replay", dtype=str(model.dtype).split(".")[-1], batch=batch,
                          width=width, fused=fused, context=context,
-                         ms=round(replay_ms(engine, key, context, a.replays), 4),
-                         graph=engine.step_runner.slots[key].graph is not None,
-                         kernels=kernels_per_step(engine, key) if context == a.context else None,
+                         ms=round(replay_ms(engine, width, context, a.replays), 4),
+                         graph=settle_run(engine, width, context)[1],
+                         kernels=(kernels_per_step(engine, width, context)
+                                  if context == a.context else None),
                          cold_start_s=round(cold, 2))
             del engine
             if torch.cuda.is_available():

@@ -2,8 +2,8 @@
 """Where one resident ``generate()`` call's time goes, and how many steps it launched past the
 end: resident AR, the EAGLE chain at γ 4 and a draft tree, B = 1, greedy, on one GPU.
 
-Each part is timed with host timers around a device sync (the prefill ``_start``, the drafter's
-``resident_start``, ``load``, the chunked decode ``run_chunks``, the reads at the end), over
+Each part is timed with host timers around a device sync (the stepper's ``_start``, its
+``load``: prefill and drafters' start, the chunked decode ``run_chunks``, the reads at the end), over
 ``--n`` HumanEval prompts drawn with ``--seed``, after a warm-up of every engine on every
 prompt. ``launched`` counts the steps the host launched per call, ``steps`` those in which the
 row was live: the difference ran past the row's end (EOS or budget) and committed nothing.
@@ -56,12 +56,10 @@ def main() -> int:
         for p in prompts:
             e.generate([p], 2, seed=1)
     for name, e in engines.items():
-        loop, launched, ahead = e.resident_loop, [0], [0]
+        loop, launched, ahead = e.stepper, [0], [0]
         e._start = timed(seconds, "_start", e._start)
         for part in ("load", "tokens", "histogram"):
             setattr(loop, part, timed(seconds, part, getattr(loop, part)))
-        for d in e.drafters:
-            d.resident_start = timed(seconds, "resident_start", d.resident_start)
         launch = loop.launch
 
         def counted(arm, n_steps, launch=launch, launched=launched):
@@ -92,7 +90,7 @@ def main() -> int:
             loop.state.finished.fill_(True)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            launch(e._resident_arms()[0], 100)
+            launch(e._step_arms()[0], 100)
             torch.cuda.synchronize()
             dead_us = (time.perf_counter() - t0) * 1e4
         n = len(prompts)

@@ -124,12 +124,12 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
                        eos_ids=[tok.eos_token_id], params=SamplingParams(temperature),
                        drafters=[eagle])
         e.generate([prompt], 64)
-        e.resident_loop.state.budgets.fill_(1 << 20)
-        e.resident_loop.state.finished.zero_()
-        e.resident_loop.launch(arm, 3)
+        e.stepper.state.budgets.fill_(1 << 20)
+        e.stepper.state.finished.zero_()
+        e.stepper.launch(arm, 3)
         sync()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            e.resident_loop.launch(arm, 20)
+            e.stepper.launch(arm, 20)
             sync()
         events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA"]
         total = sum(ev.device_time_total for ev in events) / 20
@@ -141,11 +141,11 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
                  us_per_step=round(ev.device_time_total / 20, 1))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        e.resident_loop.launch(arm, 50)
+        e.stepper.launch(arm, 50)
         end.record()
         sync()
         emit(out, check="replay", arm=arm.label, step_ms=round(start.elapsed_time(end) / 50, 4))
-        graphs = e.resident_loop.graphs[arm]
+        graphs = e.stepper.graphs[arm]
         if graphs.draft is not None:     # the drafting half alone: what a step past the end costs
             start.record()
             for _ in range(50):
@@ -154,7 +154,7 @@ def profile(model, tok, checkpoint: str, out, gamma: int = 4, trees: list[str] =
             sync()
             emit(out, check="replay_drafting", arm=arm.label,
                  draft_ms=round(start.elapsed_time(end) / 50, 4))
-        for (where, op), n in census(lambda: e.resident_loop.step(arm)).most_common():
+        for (where, op), n in census(lambda: e.stepper.step(arm)).most_common():
             emit(out, check="torch_op", arm=arm.label, where=where, op=op, per_step=n)
 
 
@@ -203,7 +203,7 @@ def scale(out, gamma: int = 4) -> None:
             e = SpecEngine(target, [arm], backend=get_backend("triton"), graphs=True, resident=True,
                            drafters=[drafter])
             e.generate(prompts, 8)            # capture + prefill; the loop stays loaded
-            loop = e.resident_loop
+            loop = e.stepper
             loop.state.budgets.fill_(1 << 20)
             loop.state.finished.zero_()
             for _ in range(3):

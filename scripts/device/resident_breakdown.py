@@ -41,7 +41,7 @@ def sync() -> None:
 
 
 def replay_ms(engine: SpecEngine, arm: Arm, n: int = 40) -> float:
-    loop = engine.resident_loop
+    loop = engine.stepper
     loop.state.budgets.fill_(1 << 20)
     loop.state.finished.zero_()
     loop.launch(arm, 3)
@@ -94,21 +94,17 @@ def main() -> None:
             total = time.perf_counter() - t0
             n_launched = launched["n"]
             t0 = time.perf_counter()
-            state = e._start([p], a.new)
+            stepper = e._start([p], a.new)
             sync()
             t1 = time.perf_counter()
-            for d in e.drafters:
-                d.resident_start(state, e.resident_loop.capture)
-            sync()
-            t2 = time.perf_counter()
-            e.resident_loop.state.load(state, a.new, 0, 0)
+            stepper.load([p], a.new, 0, 0)      # prefill, drafters' start, device state
             sync()
             t3 = time.perf_counter()
             setup = t3 - t0
             step = replay_ms(e, arm)
             r = res.rows[0]
-            rows.append(dict(total_ms=total * 1e3, setup_ms=setup * 1e3, prefill_ms=(t1 - t0) * 1e3,
-                             drafter_ms=(t2 - t1) * 1e3, load_ms=(t3 - t2) * 1e3, replay_ms=step,
+            rows.append(dict(total_ms=total * 1e3, setup_ms=setup * 1e3, prepare_ms=(t1 - t0) * 1e3,
+                             load_ms=(t3 - t1) * 1e3, replay_ms=step,
                              steps_used=r.steps, steps_launched=n_launched,
                              tokens=len(r.tokens), prompt=len(p)))
         agg = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in rows[0]}

@@ -2,10 +2,11 @@
 """Step costs at a realistic scale: a Llama-3.1-8B-shaped target and a Llama-3.2-1B-shaped
 drafter with random weights (bf16, one GPU), timed as the engine runs them.
 
-Random weights make acceptance meaningless, so this measures only costs: the target's verify
-step (CUDA-graph replay of flashspec.graphs.GraphedStep) at widths 1..γ+1, one drafter
-forward of one token per row run eagerly, and ModelDrafter's whole γ-token drafting replayed
-as one CUDA graph (flashspec.graphs.GraphCache), per drafted token. The speedup a real pair would
+Random weights make acceptance meaningless, so this measures only costs: the target's verify +
+commit (CUDA-graph replay of the captured stepper's step half, flashspec.resident) at widths
+1..γ+1, one drafter forward of one token per row run eagerly, and ModelDrafter's whole γ-token
+drafting (its window of γ + 1 committed tokens, then γ drafts) replayed as one CUDA graph
+(flashspec.graphs.GraphCache), per drafted token. The speedup a real pair would
 get is then predicted from stated acceptance rates α (i.i.d. per token):
 
     speedup(α, γ) = (1 - α^(γ+1)) / (1 - α) · T_verify(1) / (γ · T_draft + T_verify(γ + 1))
@@ -27,8 +28,10 @@ import torch
 from flashspec.core import Arm, SamplingParams
 from flashspec.drafters import ModelDrafter, NgramDrafter
 from flashspec.engine import SpecEngine
+from flashspec.graphs import GraphCache
 from flashspec.models.fused import fuse_model
 from flashspec.models.loading import dummy_config, random_model
+from flashspec.planner import WidthPlanner
 from flashspec.theory import expected_tau
 
 ALPHAS = (0.6, 0.7, 0.8)
@@ -59,17 +62,18 @@ def dummy(source: str, dtype: torch.dtype, device: str, seed: int):
 
 
 def verify_costs(target, batch: int, gamma: int, context: int) -> dict[int, float]:
-    """Graph replay time of the target's verify step at widths 1..gamma+1 (batch rows)."""
+    """Graph replay time of the target's verify + commit at widths 1..gamma+1 (batch rows;
+    every row finished, so each replay scores the same positions)."""
     engine = SpecEngine(target, [Arm("ngram", gamma)], backend="triton", graphs=True,
-                        drafters=[NgramDrafter()])
+                        drafters=[NgramDrafter()], planner=WidthPlanner())  # every width captured
     prompts = [[1 + (i * 7 + b) % 1000 for i in range(context)] for b in range(batch)]
     engine.generate(prompts, 4)       # builds the cache and captures every width
-    costs = {}
+    loop, costs = engine.stepper, {}
     for width in range(1, gamma + 2):
-        slot = engine.step_runner._slot(torch.Size([batch, width]), None)   # captured at start on GPU
-        slot.positions.copy_(context + torch.arange(width, device=target.device).expand(batch, width))
-        run = slot.graph.replay if slot.graph is not None else (lambda: engine.step_runner._run(slot))
-        costs[width] = cuda_ms(run)
+        arm = Arm("ngram", width - 1) if width > 1 else Arm()
+        loop.state.lengths.fill_(context + 1)
+        loop.state.finished.fill_(True)
+        costs[width] = cuda_ms(loop.graphs[arm].settle.replay)
     return costs
 
 
@@ -90,17 +94,15 @@ def graphed_draft_cost(model, batch: int, context: int, gamma: int) -> float:
     drafter = ModelDrafter(model, name="draft")
     drafter.reset(batch, context + 64)
     dev = model.device
-    pos = torch.arange(context, device=dev).expand(batch, context)
-    model.forward_hidden(pos % 1000, pos, drafter.cache, span=context)
-    drafter.prepare_graphs(batch, 0, SamplingParams(), dev, capture=dev.type == "cuda")
-    tok = torch.ones(batch, 1, dtype=torch.long, device=dev)
-    at = torch.full((batch, 1), context, device=dev)
-    args = (tok, at, torch.zeros(batch, dtype=torch.long, device=dev), at[:, 0],
-            torch.zeros((), dtype=torch.long, device=dev))
-    key = (batch, 1, gamma, SamplingParams())
-    drafter.graphs(key, *args)
-    slot = drafter.graphs.slots[key]
-    run = slot.graph.replay if slot.graph is not None else (lambda: drafter.graphs(key, *args))
+    tokens = (torch.arange(context + 64, device=dev) % 1000).expand(batch, -1).contiguous()
+    lengths = torch.full((batch,), context, device=dev)
+    drafter.start(tokens[:, :context], lengths, None)
+    graphs = GraphCache(lambda key, t, n, s: drafter.draft(t, n, gamma, SamplingParams(), s),
+                        capture=dev.type == "cuda")
+    args = (tokens, lengths, torch.zeros((), dtype=torch.long, device=dev))
+    graphs("draft", *args)
+    slot = graphs.slots["draft"]
+    run = slot.graph.replay if slot.graph is not None else (lambda: graphs("draft", *args))
     return cuda_ms(run) / gamma
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Where a tree step's time goes (GPU): per-phase wall time of the eager tree step and the
-host syncs it makes, next to a chain step of the same drafter.
+"""Where a tree step's time goes (GPU): per-phase wall time of the eager tree step (the
+reference stepper, ``flashspec.stepper``) and the host syncs it makes, next to a chain step of
+the same drafter.
 
 Each phase (drafting, ``tree_attention``: the ancestors, the masks being built lazily inside
 the target forward; target forward, verify, K/V compaction) is timed with a device
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from flashspec import engine as engine_mod
+from flashspec import stepper as stepper_mod
 from flashspec.core import Arm, SamplingParams, TreeShape
 from flashspec.data import chat_ids, load_prompts
 from flashspec.drafters import DraftContext, EagleDrafter
@@ -58,8 +59,8 @@ def main() -> None:
     params = SamplingParams(args.temperature)
     eos = [int(tok.eos_token_id)]
     for arm in (Arm(eagle.name, tree=TreeShape.parse(args.tree)), Arm(eagle.name, 4), Arm()):
-        engine = SpecEngine(model, [arm], params=params, eos_ids=eos, graphs=True,
-                            backend="triton", drafters=[eagle])
+        engine = SpecEngine(model, [arm], params=params, eos_ids=eos, backend="triton",
+                            drafters=[eagle])
         engine.generate([prompt], 16, seed=1)
         res = engine.generate([prompt], args.new, seed=2)
         row = res.rows[0]
@@ -68,15 +69,16 @@ def main() -> None:
         if arm.tree is None:
             continue
         phases: dict = collections.defaultdict(float)
-        saved = (eagle.propose_tree, model.forward_hidden, engine.backend_impl,
-                 engine.cache.move, engine_mod.tree_attention)
-        eagle.propose_tree = timed(phases, "draft", eagle.propose_tree)
+        stepper = engine.stepper
+        saved = (eagle.draft_tree, model.forward_hidden, stepper.backend,
+                 engine.cache.move, stepper_mod.tree_attention)
+        eagle.draft_tree = timed(phases, "draft", eagle.draft_tree)
         model.forward_hidden = timed(phases, "target forward", model.forward_hidden)
-        impl = engine.backend_impl
-        engine.backend_impl = dataclasses.replace(impl, verify_tree=timed(phases, "verify",
-                                                                          impl.verify_tree))
+        impl = stepper.backend
+        stepper.backend = dataclasses.replace(impl, verify_tree=timed(phases, "verify",
+                                                                      impl.verify_tree))
         engine.cache.move = timed(phases, "kv move", engine.cache.move)
-        engine_mod.tree_attention = timed(phases, "tree_attention", engine_mod.tree_attention)
+        stepper_mod.tree_attention = timed(phases, "tree_attention", stepper_mod.tree_attention)
         torch.cuda.synchronize()
         t = time.perf_counter()
         res = engine.generate([prompt], args.new, seed=2)
@@ -85,8 +87,8 @@ def main() -> None:
         for name, s in sorted(phases.items(), key=lambda kv: -kv[1]):
             print(f"  {name:16s} {1e3 * s / steps:7.2f} ms/step", flush=True)
         print(f"  {'total (synced)':16s} {1e3 * wall / steps:7.2f} ms/step", flush=True)
-        (eagle.propose_tree, model.forward_hidden, engine.backend_impl, engine.cache.move,
-         engine_mod.tree_attention) = saved
+        (eagle.draft_tree, model.forward_hidden, stepper.backend, engine.cache.move,
+         stepper_mod.tree_attention) = saved
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.generate([prompt], 32, seed=3)
         ev = prof.key_averages()
