@@ -249,7 +249,7 @@ def engine_options(cfg: DictConfig, params, eos: list[int], rt: Runtime | None =
     one on the same target)."""
     rt = rt or runtime(cfg)
     return dict(params=params, backend=get_backend(rt.verify_backend, rt.kernels),
-                seed=int(cfg.seed), eos_ids=eos, graphs=rt.cuda_graphs, compile=rt.compile_step,
+                seed=int(cfg.seed), eos_ids=eos, graphs=rt.cuda_graphs,
                 resident=rt.resident_loop, chunk=rt.resident_chunk)
 
 

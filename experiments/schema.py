@@ -123,7 +123,7 @@ COMMON: dict[str, Kind] = {
         "mem_bandwidth_gbs": number(0, lo_open=True),
         "peak_tflops": number(0, lo_open=True)}.items()},
     **{f"runtime.{k}": v for k, v in {
-        "name": TEXT, "verify_backend": TEXT, "cuda_graphs": BOOL, "compile_step": BOOL,
+        "name": TEXT, "verify_backend": TEXT, "cuda_graphs": BOOL,
         "resident_loop": BOOL, "resident_chunk": POSITIVE, "fused_layers": BOOL,
         "kernels.fuse_topk_on_cuda": BOOL, "kernels.fuse_merges": BOOL | NULL,
         "kernels.fuse_finish": BOOL, "kernels.direct_launch": BOOL,

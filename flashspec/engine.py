@@ -80,8 +80,7 @@ class SpecEngine:
     graph on a GPU, replayed in chunks of ``chunk`` steps with ``resident``, one step a chunk
     with ``graphs`` alone; the policy and the planner then decide a chunk late), else the
     reference stepper (:class:`flashspec.stepper.ReferenceStepper`, one step a chunk).
-    ``compile`` is accepted for the runtime configs' ``compile_step`` (no stepper compiles
-    yet). A policy that reads each step's outcome (``outcome_keys``) needs chunks of one step;
+    A policy that reads each step's outcome (``outcome_keys``) needs chunks of one step;
     one that reads drafters' host facts (``context_keys`` beyond step and domain) the reference
     stepper.
     """
@@ -90,7 +89,7 @@ class SpecEngine:
                  params: SamplingParams = SamplingParams(), backend: str | Backend = "torch",
                  seed: int = 0, eos_ids: Sequence[int] = (), graphs: bool = False,
                  drafters: Sequence[Drafter] = (),
-                 compile: bool = False, planner: WidthPlanner | None = None,
+                 planner: WidthPlanner | None = None,
                  resident: bool = False, chunk: int = 1) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be flashspec.verify.SamplingParams, got "
@@ -133,7 +132,7 @@ class SpecEngine:
                                  "rewarded by tokens per second (reward: tps) can score it")
         self.seed, self.calls = seed, 0
         self.eos_ids = set(eos_ids)
-        self.graphs, self.backend, self.compile, self.resident = graphs, backend, compile, resident
+        self.graphs, self.backend, self.resident = graphs, backend, resident
         self.captured = bool(graphs or resident)
         self.chunk = int(chunk) if resident else 1
         if self.chunk < 1:

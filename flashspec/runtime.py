@@ -20,8 +20,8 @@ class Runtime:
     """How one run executes its decode steps.
 
     ``verify_backend`` names a registered verify backend; ``cuda_graphs`` runs the captured
-    stepper (CUDA graphs), one step a chunk unless ``resident_loop``; ``compile_step`` is kept
-    for the configs (no stepper compiles its step); ``fused_layers`` runs few-token cached steps through the fused decode layers;
+    stepper (CUDA graphs), one step a chunk unless ``resident_loop``; ``fused_layers`` runs few-token cached steps
+    through the fused decode layers;
     ``resident_loop`` keeps the decode state on the device and runs each step as device ops
     (:mod:`flashspec.resident`), read back every ``resident_chunk`` steps; ``kernels`` are the
     Triton kernels' switches (:class:`flashspec.options.KernelOptions`).
@@ -30,7 +30,6 @@ class Runtime:
     name: str
     verify_backend: str = "torch"
     cuda_graphs: bool = False
-    compile_step: bool = False
     fused_layers: bool = False
     resident_loop: bool = False
     resident_chunk: int = 1

@@ -22,7 +22,7 @@ GROUPS = ["target", "drafters", "head", "bandit", "planner", "dataset", "hardwar
 # behaviour every command had before the runtime group split off the hardware one.
 DEFAULT_RUNTIME = {"cpu": "eager", "t4": "graphed", "a100": "graphed", "h100": "graphed",
                    "h200": "resident"}
-RUNTIME_KEYS = {"verify_backend", "cuda_graphs", "compile_step", "resident_loop",
+RUNTIME_KEYS = {"verify_backend", "cuda_graphs", "resident_loop",
                 "resident_chunk", "fused_layers", "kernels"}
 
 

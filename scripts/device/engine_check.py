@@ -63,29 +63,21 @@ def replay_ms(engine: SpecEngine, width: int, n: int = 200) -> float:
     return 1000 * (time.perf_counter() - t0) / n
 
 
-def step_timing(model, arm: Arm, drafters: list, ref: dict, new: int, modes: tuple[bool, ...]
-                ) -> bool:
-    """Per-step cost with graphs, eager-in-graph vs torch.compile'd-in-graph (fp32, B=1)."""
-    ok = True
-    for compiled in modes:
-        try:
-            t0 = time.perf_counter()
-            engine = SpecEngine(model, [arm], backend="triton", graphs=True, compile=compiled,
-                                drafters=drafters, planner=WidthPlanner())   # every width captured
-            run(engine, 1, 8)
-            cold = time.perf_counter() - t0
-            got, wall, tau = run(engine, 1, new)
-            same = got == ref[1]
-            ok &= same
-            print(json.dumps({"check": "step_cost", "compile": compiled, "equal": same,
-                              "cold_start_s": round(cold, 2), "replay_ms_w1": round(replay_ms(engine, 1), 3),
-                              "replay_ms_w5": round(replay_ms(engine, 5), 3),
-                              "wall_ms_per_step": round(1000 * wall / max(1, len(got[0]) / tau), 3)}),
-                  flush=True)
-        except Exception as e:  # report, do not hide: compile is optional
-            print(json.dumps({"check": "step_cost", "compile": compiled, "error": repr(e)[:300]}))
-            ok &= compiled
-    return ok
+def step_timing(model, arm: Arm, drafters: list, ref: dict, new: int) -> bool:
+    """Per-step cost of the graphed step (fp32, B=1)."""
+    t0 = time.perf_counter()
+    engine = SpecEngine(model, [arm], backend="triton", graphs=True, drafters=drafters,
+                        planner=WidthPlanner())   # every width captured
+    run(engine, 1, 8)
+    cold = time.perf_counter() - t0
+    got, wall, tau = run(engine, 1, new)
+    same = got == ref[1]
+    print(json.dumps({"check": "step_cost", "equal": same, "cold_start_s": round(cold, 2),
+                      "replay_ms_w1": round(replay_ms(engine, 1), 3),
+                      "replay_ms_w5": round(replay_ms(engine, 5), 3),
+                      "wall_ms_per_step": round(1000 * wall / max(1, len(got[0]) / tau), 3)}),
+          flush=True)
+    return same
 
 
 def main() -> int:
@@ -93,9 +85,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--quick", action="store_true", help="greedy checks with the n-gram drafter only")
-    ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd graphed step")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--timing-only", action="store_true", help="only the step-cost check (eager and compiled)")
+    ap.add_argument("--timing-only", action="store_true", help="only the step-cost check")
     a = ap.parse_args()
     model = dummy_model(a.device, dtype=getattr(torch, a.dtype))
     ok = True
@@ -103,7 +94,7 @@ def main() -> int:
     drafters = [NgramDrafter(), ModelDrafter(model, list(range(10)), name="skip10")]
     ref = {b: run(SpecEngine(model, [Arm()]), b, a.new)[0] for b in (1, 4)}
     if a.timing_only:
-        return 0 if step_timing(model, arms["ngram"], drafters, ref, a.new, (False, True)) else 1
+        return 0 if step_timing(model, arms["ngram"], drafters, ref, a.new) else 1
     for backend, graphs in (("torch", False), ("triton", False), ("torch", True), ("triton", True)):
         for batch in (1, 4):
             kw = dict(backend=backend, graphs=graphs, drafters=drafters)
@@ -122,7 +113,7 @@ def main() -> int:
                                   "batch": batch, "drafter": name, "equal": same,
                                   "ar_equal": got_ar == ref[batch], "tau": round(tau, 3),
                                   "ar_s": round(t_ar, 3), "spec_s": round(t_sp, 3)}), flush=True)
-    ok &= step_timing(model, arms["ngram"], drafters, ref, a.new, (False, True) if a.compile else (False,))
+    ok &= step_timing(model, arms["ngram"], drafters, ref, a.new)
     for params in (SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0)):
         outs = {(b, g): run(SpecEngine(model, [arms["skip10"]], params=params, backend=b, seed=7,
                                        graphs=g, drafters=drafters), 4, a.new)[0]
