@@ -106,7 +106,7 @@ def test_runtime_keys_reach_the_engine():
     cfg = composed("runtime=resident", "runtime.resident_chunk=4",
                    "runtime.verify_backend=torch", "runtime.kernels.fuse_finish=false")
     kw = engine_options(cfg, SamplingParams(), [])
-    assert kw["resident"] and kw["graphs"] and kw["chunk"] == 4 and not kw["compile"]
+    assert kw["resident"] and kw["graphs"] and kw["chunk"] == 4
     assert kw["backend"].name == "torch"
     assert not engine_options(composed(), SamplingParams(), [])["resident"]
     assert build(cfg.runtime).kernels.fuse_finish is False
