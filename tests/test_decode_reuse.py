@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
+from conftest import job_config as composed
 from experiments.callbacks import count_jobs
 from experiments.decode import Method, arm_key, reuse_key, run_key
 from flashspec.data import Prompt
@@ -21,16 +20,6 @@ from flashspec.data import Prompt
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 PROMPTS = [Prompt("he/0", "humaneval", "code", "code", ["def f(x):"])]
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        cfg.output_dir = "/tmp/unused"
-        del cfg["hydra"]
-    return cfg
 
 
 def key(cfg, method: Method, prompts=PROMPTS, max_new: int = 128, scope: str = "/sweep") -> str:

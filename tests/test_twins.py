@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import job_config as composed
 from flashspec.errors import FlashSpecError
 from flashspec.heads import LowRankChoice
 from flashspec.models import load_model
@@ -139,19 +140,6 @@ def test_generation_resumes_after_the_last_stored_group(dummy, tmp_path):
     assert meta["generation"]["resumed_groups"] == 1
     assert [s.tokens for s in resumed] == [s.tokens for s in straight]
     assert len({tuple(s.tokens) for s in straight}) == len(straight)   # samples, not copies
-
-
-def composed(*overrides: str):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        cfg.output_dir = "/tmp/unused"
-        del cfg["hydra"]
-    return cfg
 
 
 def reference_plan(dummy, checkpoint: Path, twin: Path | None, *head: str):
