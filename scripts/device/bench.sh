@@ -14,11 +14,7 @@ set -o pipefail
 OUT=${OUT:-outputs/bench_gpu}
 SEED=${SEED:?set SEED to a prompt draw no committed record used}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false FLASHSPEC_CACHE=/dev/shm/models
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
-GGUF=/dev/shm/SmolLM2-135M-Instruct.Q4_1.gguf
+source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
 [ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
 BENCH="python3 run.py experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
 one() {

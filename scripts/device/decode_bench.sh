@@ -10,11 +10,7 @@ set -o pipefail
 MODE=${1:-run}
 OUT=${OUT:-outputs/decode_gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false FLASHSPEC_CACHE=/dev/shm/models
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
-GGUF=/dev/shm/SmolLM2-135M-Instruct.Q4_1.gguf
+source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 if [ "$MODE" = part1 ]; then
