@@ -80,9 +80,9 @@ class SpecEngine:
     graph on a GPU, replayed in chunks of ``chunk`` steps with ``resident``, one step a chunk
     with ``graphs`` alone; the policy and the planner then decide a chunk late), else the
     reference stepper (:class:`flashspec.stepper.ReferenceStepper`, one step a chunk).
-    A policy that reads each step's outcome (``outcome_keys``) needs chunks of one step;
-    one that reads drafters' host facts (``context_keys`` beyond step and domain) the reference
-    stepper.
+    A policy that reads each step's outcome (``outcome_keys``) needs chunks of one step; one
+    that reads drafters' host facts (``context_keys`` beyond step and domain) gets them from the
+    committed tokens under either stepper (the captured one reads its buffer once a chunk).
     """
 
     def __init__(self, target: LlamaLM, arms: Sequence[Arm], policy: Policy | None = None,
@@ -140,11 +140,6 @@ class SpecEngine:
         self.min_capacity = 2048
         self.cache = None
         self.stepper: Stepper | None = None        # of this cache
-        extra = set(self.policy.context_keys) - {"step", "domain"}
-        if extra and self.captured:
-            raise FlashSpecError(f"the captured stepper gives policies the step and domain only; "
-                                 f"{self.policy.label} reads {sorted(extra)} (drafters' host "
-                                 "facts): use runtime=eager")
         if self.policy.outcome_keys and self.chunk > 1:
             raise FlashSpecError(f"chunks of {self.chunk} steps report chunk totals, not each "
                                  f"step's accepted drafts; {self.policy.label} reads "
@@ -269,7 +264,8 @@ class SpecEngine:
     def _context(self, stepper: Stepper, step: int, domain: str | None,
                  finished: list[int]) -> dict:
         """What the policy may condition on: step, domain, and the drafters' host facts it
-        asks for (:class:`flashspec.drafters.HostFacts`; the reference stepper's tokens)."""
+        asks for (:class:`flashspec.drafters.HostFacts`, from the committed tokens: a device
+        read per chunk on the captured stepper)."""
         context: dict = {"step": step, "domain": domain}
         if set(self.policy.context_keys) - set(context):
             tokens = stepper.host_tokens()

@@ -419,5 +419,11 @@ class ResidentLoop:
         rows = self.state.tokens[:, :max(lengths)].tolist()
         return [row[:n] for row, n in zip(rows, lengths)]
 
+    def host_tokens(self) -> list[list[int]]:
+        """Every row's committed tokens as they stand, for drafters' host facts: a device read
+        that waits for the work in flight (a drafting queued ahead commits nothing), asked once
+        a chunk and only by a policy that conditions on such facts."""
+        return self.tokens()
+
     def histogram(self) -> list[list[int]]:
         return self.state.hist.tolist()

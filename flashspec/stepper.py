@@ -81,6 +81,8 @@ class Stepper(Protocol):
 
     def tokens(self) -> list[list[int]]: ...
 
+    def host_tokens(self) -> list[list[int]]: ...   # committed so far (host facts read them)
+
     def histogram(self) -> list[list[int]]: ...
 
     @property

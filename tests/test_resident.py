@@ -329,12 +329,30 @@ def test_catch_up_windows_captured_up_front_cover_every_window(top):
     assert all(w == top or w & (w - 1) == 0 for w in widths)   # one graph per power of two
 
 
+def test_contextual_policy_reads_host_facts_under_the_captured_stepper(small, drafters, eos,
+                                                                      overlapped):
+    """A policy conditioned on the n-gram drafter's host fact (does the text so far repeat?)
+    runs on the captured stepper too, driven as on a GPU: the stepper reads its token buffer
+    once a chunk, both values of the fact reach the policy, greedy output stays AR's."""
+    model, prompts = small
+    ar = [r.tokens for r in run(model, prompts, [Arm()], eos)]
+    arms = [Arm("ngram", 2), Arm("skip", 2)]
+    seen: list = []
+
+    class Recording(PerDomain):
+        def select(self, context=None):
+            seen.append(context["ngram_hit"])
+            return super().select(context)
+
+    policy = Recording(2, seed=0, key="ngram_hit")
+    got = run(model, prompts, arms, eos, drafters, policy=policy, resident=True, chunk=2)
+    assert [r.tokens for r in got] == ar
+    assert set(seen) == {True, False}
+
+
 def test_resident_refuses_what_it_cannot_run(small, drafters):
     model, _ = small
     arms = [Arm("ngram", 2), Arm("skip", 2)]
-    with pytest.raises(FlashSpecError, match="step and domain only"):
-        SpecEngine(model, arms, policy=PerDomain(2, seed=0, key="ngram_hit"), resident=True,
-                   drafters=list(drafters.values()))
     with pytest.raises(FlashSpecError, match="chunk"):
         SpecEngine(model, arms[:1], resident=True, chunk=0, drafters=[drafters["ngram"]])
 

@@ -101,8 +101,8 @@ class Drafter(ABC):
 @runtime_checkable
 class HostFacts(Protocol):
     """Optional: cheap facts about the next step that a context-conditioned policy may read
-    (past only), from the committed tokens on the host; a stepper that keeps its tokens on
-    the device (the captured one) cannot give them."""
+    (past only), from the committed tokens on the host (the captured stepper copies its
+    device buffer for them once a chunk, only when a policy asks)."""
 
     def features(self, tokens: Sequence[Sequence[int]], finished: Sequence[bool]
                  ) -> dict[str, object]: ...
