@@ -198,7 +198,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     prompts = dataset.load(1 if cfg.smoke else None)
     target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    kw = {**engine_options(cfg, params, eos), "graphs": False, "compile": False}
+    kw = {**engine_options(cfg, params, eos), "graphs": False}
     variants = build_variants(cfg, target, tokenizer)
     methods = [engine_method("ar", SpecEngine(target, [Arm()], **kw))]
     names: dict[str, str] = {}
