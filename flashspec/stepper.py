@@ -227,7 +227,8 @@ class ReferenceStepper:
             offered = real.tolist() if real is not None else [arm.gamma] * len(self.rows)
         for d in self.drafters:      # also those that did not draft: a later catch-up reads them
             d.absorb(hidden, lengths)
-        self.commit(out.tolist(), n_acc.tolist(), offered)
+        host = torch.cat([out, n_acc[:, None].to(out.dtype)], 1).tolist()   # the one host read
+        self.commit([r[:-1] for r in host], [int(r[-1]) for r in host], offered)
 
     def commit(self, out: list[list[int]], n_acc: list[int], offered: list[int]) -> None:
         """Each live row appends its accepted drafts and one more token, clipped at EOS and at
