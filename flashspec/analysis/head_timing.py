@@ -1,4 +1,11 @@
-"""One head's latency in this process: what SlimSpec's ν and κ are measured from."""
+"""One head's latency in this process: what SlimSpec's ν and κ are measured from.
+
+On CUDA the head is timed inside a CUDA graph (SlimSpec's ν is a kernel-time ratio; a host
+timer around one call adds ~10-20 µs of launch and sync that swamps a low-rank head's ~20 µs).
+Each timed call is preceded by a write of a buffer larger than L2, so the head reads its weights
+from HBM as it does in a decode step, where the layers between two head calls evict them; the
+flush's own time (a graph of flushes alone) is subtracted. Elsewhere a host timer per call.
+"""
 from __future__ import annotations
 
 import statistics
@@ -6,13 +13,19 @@ import time
 
 import torch
 
+_FLUSH_BYTES = 256 << 20            # above every current GPU's L2 (H200: 60 MiB)
+
 
 def head_latency(head: torch.nn.Module, hidden: int, device: torch.device, dtype: torch.dtype,
-                 iters: int, warmup: int = 5) -> float:
-    """Median seconds of one head call on a single hidden vector (B = 1)."""
+                 iters: int, warmup: int = 5, graph: bool | None = None) -> float:
+    """Median seconds of one head call on a single hidden vector (B = 1).
+
+    ``graph`` (default: on CUDA) times the call in a CUDA graph with the L2 flushed first."""
     h = torch.randn(1, hidden, device=device, dtype=dtype)
-    times = []
     with torch.inference_mode():
+        if graph if graph is not None else device.type == "cuda":
+            return _graph_latency(head, h, iters, warmup)
+        times = []
         for i in range(iters + warmup):
             t0 = time.perf_counter()
             head(h)
@@ -20,4 +33,40 @@ def head_latency(head: torch.nn.Module, hidden: int, device: torch.device, dtype
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        return statistics.median(times)
+
+
+def _graph_latency(head: torch.nn.Module, h: torch.Tensor, iters: int, warmup: int,
+                   calls: int = 16) -> float:
+    flush = torch.empty(_FLUSH_BYTES // 4, device=h.device, dtype=torch.float32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up (autotuning, lazy init) off-graph
+        for _ in range(warmup):
+            head(h)
+    torch.cuda.current_stream().wait_stream(side)
+
+    def captured(with_head: bool) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                flush.fill_(1.0)
+                if with_head:
+                    head(h)
+        return g
+
+    both, alone = captured(True), captured(False)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def per_call(g: torch.cuda.CUDAGraph) -> float:
+        out = []
+        for _ in range(max(3, iters // calls)):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3 / calls)
+        return statistics.median(out)
+
+    per_call(both), per_call(alone)               # first replays upload the graphs
+    return max(per_call(both) - per_call(alone), 0.0)

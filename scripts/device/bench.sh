@@ -16,13 +16,13 @@ SEED=${SEED:?set SEED to a prompt draw no committed record used}
 mkdir -p "$OUT"
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
 [ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
-BENCH="python3 run.py experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
+ARGS="experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
 one() {
   case $1 in
-    greedy) $BENCH -m dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
-    t1)     $BENCH -m dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
-    b32)    $BENCH dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
-    profile) $BENCH hardware=h100 runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_h100 &&
+    greedy) python3 run.py -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
+    t1)     python3 run.py -m $ARGS dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
+    b32)    python3 run.py $ARGS dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
+    profile) python3 run.py $ARGS hardware=h100 runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_h100 &&
              python3 scripts/greedy_check.py $OUT/profile_h100/records.jsonl \
                --against "$(ls -d $OUT/greedy/0_*)/records.jsonl" ;;   # job 0: humaneval
     *) echo "unknown cell $1 (greedy | t1 | b32 | profile)" >&2; return 2 ;;

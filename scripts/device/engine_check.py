@@ -46,11 +46,14 @@ def run(engine: SpecEngine, batch: int, new: int) -> tuple[list[list[int]], floa
     return [r.tokens for r in res.rows], wall, sum(r.tau or 0 for r in res.rows) / batch
 
 
+@torch.inference_mode()          # the stepper's state tensors are inference tensors
 def replay_ms(engine: SpecEngine, width: int, n: int = 200) -> float:
     """GPU time of one graph replay of the captured verify + commit of a chain step of
     ``width`` tokens (batch 1; every row finished, so each replay scores the same positions),
     in ms."""
     loop = engine.stepper
+    if not hasattr(loop, "graphs"):
+        return float("nan")                        # the reference stepper captures nothing
     arm = next(a for a in engine._step_arms() if a.tree is None and a.gamma == width - 1)
     loop.state.finished.fill_(True)
     graph = loop.graphs[arm].settle
