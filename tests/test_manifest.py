@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flashspec.records import read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 MANIFEST_FILES = {"manifest.yaml"}
@@ -170,13 +172,14 @@ def test_a_selector_is_the_record_value(manifest):
     assert page.value_text(spec) == f"{metrics['ar/tps']:.2f}"
     with pytest.raises(page.SelectorError):
         page.measure({**spec, "field": "ar/no_such_metric"})
-    ratio = {"run": "resident_draft_ahead", "file": "bench_seed2468.jsonl", "where": {"cell": "he_b1",
-             "method": "tree_dyn15d6k4_res"}, "field": "tps", "over": {"method": "ar_res"}}
-    rows = [json.loads(line) for line in (RESULTS / "resident_draft_ahead/bench_seed2468.jsonl").read_text().splitlines()]
-    tps = {r["method"]: r["tps"] for r in rows if r.get("cell") == "he_b1" and "method" in r}
-    assert page.measure(ratio) == [tps["tree_dyn15d6k4_res"] / tps["ar_res"]]
-    with pytest.raises(page.SelectorError):   # the cell holds several methods: agg one wants one
-        page.measure({**ratio, "where": {"cell": "he_b1"}})
+    rows = list(read_records(RESULTS / "bench_h200_s6151/greedy_he/records.jsonl.gz"))
+    pid = rows[0]["prompt_id"]
+    tps = {r["method"]: r["tps"] for r in rows if r["prompt_id"] == pid}
+    ratio = {"run": "bench_h200_s6151", "file": "greedy_he/records.jsonl.gz", "where": {"prompt_id": pid,
+             "method": "tree"}, "field": "tps", "over": {"method": "ar"}, "pair": ["prompt_id", "turn"]}
+    assert page.measure(ratio) == [tps["tree"] / tps["ar"]]
+    with pytest.raises(page.SelectorError):   # every prompt's tree record: agg one wants one
+        page.measure({**ratio, "where": {"method": "tree"}})
 
 
 def test_figures_exist(manifest):
@@ -285,11 +288,12 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     assert len(page.measure(repeats)) == 2
     with pytest.raises(page.SelectorError):   # two runs, one value each: agg one wants one
         page.measure({**repeats, "agg": "one"})
-    groups = {"run": "resident_catch_up", "file": "seed8484_greedy.jsonl", "agg": "range", "field": "per_group_tps",
-              "where": {"cell": "mt_b1", "method": "tree_dyn15d6k4_res_planner"}}
-    record = next(json.loads(line) for line in (results / "resident_catch_up/seed8484_greedy.jsonl").read_text().splitlines()
-                  if '"mt_b1"' in line and '"tree_dyn15d6k4_res_planner"' in line)
-    assert page.measure(groups) == [float(v) for v in record["per_group_tps"]]   # a list field: one value each
+    groups = {"run": "bench_h200_s6151", "file": "greedy_mt/records.jsonl.gz", "agg": "range", "field": "accept_hist",
+              "where": {"method": "tree_planner"}}
+    record = next(r for r in read_records(results / "bench_h200_s6151/greedy_mt/records.jsonl.gz")
+                  if r["method"] == "tree_planner")
+    groups["where"]["prompt_id"] = record["prompt_id"]
+    assert page.measure(groups) == [float(v) for v in record["accept_hist"]]   # a list field: one value each
     bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
             "field": "floor_us"}
     assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
