@@ -162,13 +162,6 @@ class WidthPlanner:
         self.tree_idle[arm] = 0 if play else idle + 1
         return None if play else k
 
-    def observe_tree(self, arm: Arm, step_s: float, accepted: list[int], live: list[bool]
-                     ) -> None:
-        """One tree step of ``arm``: its wall time and the accepted path length of every live
-        row."""
-        n = [a for a, on in zip(accepted, live) if on]
-        self.observe_tree_counts(arm, step_s, sum(n), len(n))
-
     def observe_tree_counts(self, arm: Arm, step_s: float, accepted: int, row_steps: int
                             ) -> None:
         """Tree steps at once (the resident loop's chunks): the mean step time, the accepted
@@ -176,17 +169,6 @@ class WidthPlanner:
         self._measured(self.tree_cost, self.tree_seen, arm, step_s)
         acc, steps = self.tree_gain.get(arm, (0.0, 0.0))
         self.tree_gain[arm] = (self.decay * acc + accepted, self.decay * steps + row_steps)
-
-    def observe(self, k: int, step_s: float | None, real: list[int], accepted: list[int],
-                live: list[bool]) -> None:
-        """One step's outcome: its width, wall time (None: not representative, e.g. a drafter
-        catching up on a whole prompt) and, per live row, real drafts and accepts."""
-        hits, tries = [], []
-        for m, n, on in zip(real, accepted, live):
-            hit = min(n, m) if on and m else 0
-            hits.append(hit)
-            tries.append(hit + (1 if on and m and n < m else 0))
-        self.observe_counts(k, step_s, hits, tries)
 
     def observe_counts(self, k: int, step_s: float | None, hits: list[int], tries: list[int]
                        ) -> None:

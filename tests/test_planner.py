@@ -33,7 +33,7 @@ def warm(planner: WidthPlanner, costs: dict[int, float], gamma: int) -> None:
     """Feed the exploration steps with the given step costs (no drafts)."""
     for _ in range(planner.explore * len(costs)):
         k = planner.plan(gamma, [gamma], [100])
-        planner.observe(k, costs[k], [0], [0], [True])
+        planner.observe_counts(k, costs[k], [0], [0])
     assert all(planner.seen[k] == planner.explore for k in costs)
 
 
@@ -44,7 +44,7 @@ def test_explores_probe_widths_first():
     for _ in range(6):
         k = planner.plan(8, [8], [100])
         seen.append(k)
-        planner.observe(k, 1.0, [k], [0], [True])
+        planner.observe_counts(k, 1.0, [0], [1 if k else 0])
     assert sorted(seen) == [0, 0, 4, 4, 8, 8]
 
 
@@ -53,7 +53,7 @@ def test_picks_ar_when_verify_is_expensive_and_drafts_fail():
     planner.reset(1)
     warm(planner, {0: 1.0, 4: 2.0, 8: 3.0}, 8)
     for _ in range(5):   # drafts keep failing: acceptance estimate falls
-        planner.observe(8, 3.0, [8], [0], [True])
+        planner.observe_counts(8, 3.0, [0], [1])
     assert planner.plan(8, [8], [100]) == 0
 
 
@@ -62,7 +62,7 @@ def test_picks_wide_when_cheap_and_accepted():
     planner.reset(1)
     warm(planner, {0: 1.0, 4: 1.05, 8: 1.1}, 8)
     for _ in range(10):
-        planner.observe(8, 1.1, [8], [8], [True])
+        planner.observe_counts(8, 1.1, [8], [8])
     assert planner.plan(8, [8], [100]) == 8
     assert planner.plan(8, [3], [100]) == 3, "no gain from verifying past the real drafts"
     assert planner.plan(8, [0], [100]) == 0, "nothing to verify"
@@ -74,7 +74,7 @@ def test_makespan_weights_only_the_rows_that_decide_the_end():
     planner.reset(2)
     warm(planner, {0: 1.0, 4: 1.6, 8: 2.0}, 8)
     for _ in range(10):
-        planner.observe(8, 2.0, [8, 0], [8, 0], [True, True])
+        planner.observe_counts(8, 2.0, [8, 0], [8, 0])
     assert planner.plan(8, [8, 0], [20, 100]) == 0
     total = WidthPlanner(objective="total", cost=dict(planner.cost), seen=dict(planner.seen))
     total.reset(2)
@@ -121,7 +121,7 @@ def test_lookup_skipped_when_even_full_drafts_cannot_pay():
     planner.reset(1)
     warm(planner, {0: 1.0, 4: 3.0, 8: 5.0}, 8)
     for _ in range(5):
-        planner.observe(8, 5.0, [8], [0], [True])
+        planner.observe_counts(8, 5.0, [0], [1])
     calls = []
     assert planner.plan(8, lambda: calls.append(1) or [8], [100]) == 0
     assert not calls, "the drafts were looked up although no width could pay"
@@ -136,14 +136,14 @@ def test_decision_is_kept_for_replan_steps_and_unmeasured_steps_are_skipped():
     planner.reset(1)
     warm(planner, {0: 1.0, 4: 1.5, 8: 2.0}, 8)
     for _ in range(3):
-        planner.observe(8, 2.0, [8], [8], [True])
+        planner.observe_counts(8, 2.0, [8], [8])
     first = planner.plan(8, [8], [100])
     assert first == 8
     for _ in range(5):                       # drafts now always fail
-        planner.observe(8, 2.0, [8], [0], [True])
+        planner.observe_counts(8, 2.0, [0], [1])
     assert planner.plan(8, [0], [100]) == 0  # kept, but this step has no drafts
     assert planner.plan(8, [8], [100]) == 8  # kept
     assert planner.plan(8, [8], [100]) < 8   # replanned with the new acceptance
     before = dict(planner.cost)
-    planner.observe(8, None, [8], [0], [True])
+    planner.observe_counts(8, None, [0], [1])
     assert planner.cost == before

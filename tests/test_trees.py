@@ -373,16 +373,16 @@ def test_planner_plays_a_tree_only_while_it_beats_the_chain() -> None:
     tree = Arm("eagle", tree=TreeShape.parse("dyn4d2"))          # depth 2
     for k in (0, 1, 2):                                          # the chain's probe widths
         assert planner.plan_tree(tree, live) == k
-        planner.observe(k, 0.010 + 0.001 * k, [k, k], [k, k], [True, True])   # all accepted
+        planner.observe_counts(k, 0.010 + 0.001 * k, [k, k], [k, k])   # all accepted
     assert planner.plan_tree(tree, live) is None            # then the tree's
-    planner.observe_tree(tree, 0.014, [2, 2], [True, True])    # 3 tokens per 14 ms
+    planner.observe_tree_counts(tree, 0.014, 4, 2)    # 3 tokens per 14 ms
     # beats a plain step (1 per 10 ms), not the chain at γ = 2 (α ≈ 0.9: ~2.7 tokens per 12 ms)
     assert planner.plan_tree(tree, live) == 2
     for _ in range(5):
-        planner.observe_tree(tree, 0.010, [4, 4], [True, True])  # now ~5 tokens per 10 ms
+        planner.observe_tree_counts(tree, 0.010, 8, 2)  # now ~5 tokens per 10 ms
     assert planner.plan_tree(tree, live) is None
     for _ in range(20):
-        planner.observe_tree(tree, 0.030, [0, 0], [True, True])  # slower, nothing accepted
+        planner.observe_tree_counts(tree, 0.030, 0, 2)  # slower, nothing accepted
     plays = [planner.plan_tree(tree, live) for _ in range(2 * planner.reprobe + 2)]
     assert plays.count(None) == 2 and plays.index(None) == planner.reprobe, \
         "a losing tree is re-probed once after `reprobe` decisions against it"
