@@ -9,7 +9,8 @@ run gives, per dataset and variant:
 - ν = head latency(variant) / head latency(full);
 - κ = γ · full-head latency / (full-head step latency − γ · full-head latency);
 - predicted ρ_TPS = ρ_τ (1 + κ) / (1 + ν κ) (SlimSpec), with ν and κ from the heads timed
-  alone and, as ``*_loop``, from the heads timed inside the decode loop (:class:`TimedHead`);
+  alone and, as ``*_loop``, from the heads timed inside the decode loop (:class:`TimedHead`;
+  eager runtimes only: a captured runtime keeps its graphs and reports no ``*_loop`` columns);
   measured ρ_TPS = decode TPS(variant) / decode TPS(full); on wall time with the prefill
   (DESIGN's TPS) as ``rho_tps_meas_wall``, predicted by ``rho_tps_pred_wall`` from the full
   head's measured prefill and decode seconds.
@@ -198,19 +199,26 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     prompts = dataset.load(1 if cfg.smoke else None)
     target, tokenizer = load_target(cfg)
     eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
-    kw = {**engine_options(cfg, params, eos), "graphs": False}
+    kw = engine_options(cfg, params, eos)
+    # The in-loop stopwatch (TimedHead) needs eager steps: under a captured runtime the head runs
+    # inside graph replays, so there the loop keeps its runtime (the step whose share κ is) and
+    # the heads are timed alone only (CUDA-graph timed, :func:`head_latency`).
+    in_loop = not (kw["graphs"] and target.device.type == "cuda")
+    if in_loop:
+        kw = {**kw, "graphs": False}
     variants = build_variants(cfg, target, tokenizer)
     methods = [engine_method("ar", SpecEngine(target, [Arm()], **kw))]
     names: dict[str, str] = {}
     for name, drafter in variants:
         arm = Arm(drafter.name, gamma)
         names[name] = f"spec:{arm.label}"
-        drafter.head = clock = TimedHead(drafter.head)
-        methods.append(timed_method(engine_method(
-            names[name], SpecEngine(target, [arm], drafters=[drafter], **kw)), clock))
+        if in_loop:
+            drafter.head = clock = TimedHead(drafter.head)
+        method = engine_method(names[name], SpecEngine(target, [arm], drafters=[drafter], **kw))
+        methods.append(timed_method(method, clock) if in_loop else method)
     iters = 5 if cfg.smoke else int(exp.timing_iters)
-    latencies = {name: head_latency(d.head, target.shape.hidden_size, target.device, target.dtype, iters)
-                 for name, d in variants}
+    latencies = {name: head_latency(getattr(d.head, "inner", d.head), _hidden(d, target),
+                                    target.device, target.dtype, iters) for name, d in variants}
     with run_dir(cfg, "records.jsonl", data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
@@ -231,6 +239,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         _figure(rows, run.path / "rho_tps.png")
         run.logger.table("head_summary", rows)
     return {"summary": summary, "heads": rows}
+
+
+def _hidden(drafter, target) -> int:
+    """The width of the hidden vector the drafter's head reads (a separate draft LM's own d)."""
+    head = getattr(drafter.head, "inner", drafter.head)
+    if hasattr(head, "hidden_size"):                      # FlashSpec's heads
+        return int(head.hidden_size)
+    if isinstance(head, torch.nn.Linear):                 # a model's own LM head (the full one)
+        return int(head.in_features)
+    return int(target.shape.hidden_size)
 
 
 def _step_seconds(records: list[dict], method: str) -> dict[str, float]:

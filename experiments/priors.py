@@ -117,8 +117,12 @@ def save(cfg: DictConfig, records: list[dict[str, Any]], arm_labels: Sequence[st
     for domain, stats in measured(records, arm_labels, arm_methods, spec).items():
         if not any(s.pulls for s in stats.values()):
             continue
+        data = cfg.get("dataset") or {}
         priors = Priors(prior_key(cfg, arm_labels, domain, reward), stats,
                         {"run": str(run_path), "commit": git_commit(),
+                         # a prior measured on the prompts it is then evaluated on is in-sample:
+                         # the split says whether a warm start saw the eval prompts
+                         "data": {k: data.get(k) for k in ("name", "split", "n_prompts", "seed")},
                          "from": "each arm alone where the job ran it, else the steps of "
                                  f"{spec} on it"})
         written += [str(save_priors(d, priors)) for d in dirs]

@@ -16,6 +16,7 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 SMOKED_ELSEWHERE = {"train_drafter": "tests/test_eagle.py::test_train_drafter_smoke",
                    # a registry model CI never downloads: its smoke run is
                    "head_decode_qwen": "tests/test_registry_models.py::test_head_decode_qwen_smoke",
+                   "head_decode_qwen05": "tests/test_registry_models.py::test_head_decode_qwen_smoke",
                    "bench": "tests/test_bench.py::test_bench_smoke_every_method_equals_ar"}
 
 

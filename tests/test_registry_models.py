@@ -185,21 +185,25 @@ def test_prepared_qwen_05b_matches_transformers_greedy():
 
 
 @pytest.mark.slow
-def test_head_decode_qwen_smoke(tmp_path):
-    """experiment=head_decode_qwen at smoke size on the prepared 1.5B (skipped where it is not
-    prepared, as in CI): the layer-skip drafter runs with its full head and both SVD heads, and
-    the job reports ν for each low-rank head against the full one."""
-    try:
-        registry_dir("qwen2.5-coder-1.5b")
-    except FlashSpecError:
-        pytest.skip("qwen2.5-coder-1.5b not prepared (python scripts/prepare_model.py "
-                    "qwen2.5-coder-1.5b)")
+@pytest.mark.parametrize("experiment, models", [
+    ("head_decode_qwen", ["qwen2.5-coder-1.5b"]),
+    ("head_decode_qwen05", ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])])
+def test_head_decode_qwen_smoke(tmp_path, experiment, models):
+    """experiment=head_decode_qwen (the layer-skip drafter of the 1.5B, d = 1536) and
+    head_decode_qwen05 (the 0.5B draft LM, d = 896) at smoke size on the prepared models (skipped
+    where they are not prepared, as in CI): the drafter runs with its full head and both SVD
+    heads, and the job reports ν for each low-rank head against the full one."""
+    for name in models:
+        try:
+            registry_dir(name)
+        except FlashSpecError:
+            pytest.skip(f"{name} not prepared (python scripts/prepare_model.py {name})")
     import json
     import os
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "run.py", "experiment=head_decode_qwen", "smoke=true",
+    res = subprocess.run([sys.executable, "run.py", f"experiment={experiment}", "smoke=true",
                           "logger=disabled", f"hydra.run.dir={tmp_path}"], cwd=root,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
                          text=True, timeout=1800)
@@ -209,3 +213,6 @@ def test_head_decode_qwen_smoke(tmp_path):
     assert recs and "provenance" in recs[0]
     text = "\n".join(json.dumps(r) for r in recs)
     assert "svd_d8" in text and "svd_d16" in text
+    heads = [r for r in recs if r.get("experiment") == "head_decode" and "nu" in r]
+    assert {r["variant"] for r in heads} == {"full", "svd_d8", "svd_d16"}
+    assert all(0 < r["nu"] for r in heads)

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # The headline GPU numbers: experiment=bench (conf/experiment/bench.yaml) on the lent H200, each
 # cell a run.py job with its resolved config, provenance and decode records (no Hydra/W&B on
-# the box: hydra, omegaconf and antlr4 travel in .whl/site, gguf as a wheel in .whl/; the
-# SmolLM2 GGUF in two halves, joined as in decode_bench.sh).
-#   bash scripts/device/decode_bench.sh part1      # once per machine: copies the first half
+# the box: hydra, omegaconf and antlr4 travel in .whl/, gguf as a wheel in .whl/; the prompt
+# files in .cache/data; the SmolLM2 GGUF in two halves, .device/gguf/part00 and part01).
+#   bash scripts/device/bench.sh part 00           # once per machine, one call per half
+#   bash scripts/device/bench.sh part 01           # (carry .device/gguf/partNN alone: with the
+#                                                  # tracked tree, checkpoints/ included, a half
+#                                                  # is over a call's 64 MiB, so move
+#                                                  # checkpoints/ aside for these two calls)
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
+#                                                  # carry .whl and .cache/data
 # Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
 # CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
 # Each job's job_metrics.json holds <method>/{speedup_pooled,speedup,greedy_equal,alpha,tau}
 # against `ar`, the resident AR; everything lands in $OUT.
 set -o pipefail
+if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
 OUT=${OUT:-outputs/bench_gpu}
 SEED=${SEED:?set SEED to a prompt draw no committed record used}
 mkdir -p "$OUT"
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
-[ -f $GGUF ] || cat /dev/shm/part00 .device/gguf/part01 > $GGUF
+[ -f $GGUF ] || cat /dev/shm/part00 /dev/shm/part01 > $GGUF
 ARGS="experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
 one() {
   case $1 in

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The Qwen2.5-Coder pair on a lent GPU (no network there). Its two registry GGUFs (1.1 GB and
+# 0.5 GB, prepared here by scripts/prepare_model.py) travel in 56 MB parts, one part per call, and
+# are joined and converted on /dev/shm; every measurement is a run.py job.
+#   bash scripts/device/qwen.sh split            # here: the parts, one directory per call,
+#                                                # under .device/qwen/<q15|q05>/dNN/
+#   bash scripts/device/qwen.sh part q15 dNN     # there, once per part (carry .device/qwen/q15/dNN
+#                                                # alone, checkpoints/ moved aside: with the tracked
+#                                                # tree a part is over a call's 64 MiB); the same
+#                                                # for q05 (the 0.5B: draft LM, heads)
+#   bash scripts/device/qwen.sh setup            # join, check the pins, convert (~4 min)
+#   S=<a seed no record used> bash scripts/device/qwen.sh he mt gsm fp32 nf4 heads
+#                                                # carry .whl, .bnb (nf4) and .cache/data
+# Stages: he/mt/gsm (AR, HF generate eager + compiled on he, the 0.5B draft LM at γ 2-5, prompt
+# lookup, UCB1 over them; 24 prompts), fp32 (greedy equality of every arm in fp32), nf4 (the
+# 1.5B in NF4 beside bf16: bitsandbytes from a carried wheel in .bnb/), heads
+# (experiment=head_decode_qwen and head_decode_qwen05: ν CUDA-graph timed, κ on the resident
+# loop). Runs land in /tmp/qwen_runs; each stage's log and one tarball of all runs in $OUT.
+set -o pipefail
+OUT=${OUT:-outputs/qwen_gpu}
+PARTS=${PARTS:-.device/qwen}
+mkdir -p "$OUT"
+MODELS="qwen2.5-coder-1.5b:q15 qwen2.5-coder-0.5b:q05"
+case ${1:-} in
+  split)
+    PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+    for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
+      src=$(PYTHONPATH=$PWD $PY scripts/prepare_model.py "$name" --where) || exit 1
+      [ -f "$src" ] || { echo "$name not prepared: python scripts/prepare_model.py $name" >&2; exit 1; }
+      rm -rf "$PARTS/$tag" && mkdir -p "$PARTS/$tag/tmp"
+      split -b 56000000 -d -a 2 "$src" "$PARTS/$tag/tmp/p"
+      for f in "$PARTS/$tag"/tmp/p*; do d="$PARTS/$tag/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done
+      rmdir "$PARTS/$tag/tmp"; echo "$name: $(ls "$PARTS/$tag" | wc -l) parts in $PARTS/$tag"
+    done; exit 0;;
+  part)
+    mkdir -p "/dev/shm/qwen_parts/$2" && cp "$PARTS/$2/$3"/p* "/dev/shm/qwen_parts/$2/" &&
+      echo "$2: $(ls "/dev/shm/qwen_parts/$2" | wc -l) parts on the box"; exit;;
+esac
+source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, model cache on /dev/shm
+if [ -d .bnb ] && [ ! -d /tmp/site/bitsandbytes ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .bnb/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PYTHONPATH HYDRA_FULL_ERROR=1
+S=${S:?set S to a prompt draw no committed record used}
+R=/tmp/qwen_runs; mkdir -p $R
+BASE="python3 run.py hardware=h200 target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
+DEC="$BASE drafters=qwen_coder experiment.references=[each_arm] bandit=ucb1_tps"
+QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
+stage() {
+  case $1 in
+    setup)
+      for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
+        [ -d /dev/shm/qwen_parts/$tag ] || { echo "no parts of $name on the box"; continue; }
+        dest=$(python3 scripts/prepare_model.py "$name" --where); mkdir -p "$(dirname "$dest")"
+        [ -f "$dest" ] || cat /dev/shm/qwen_parts/$tag/p* > "$dest"
+        python3 scripts/prepare_model.py "$name" --offline 2>&1 | tail -4     # pins, header, convert
+      done;;
+    he)  $DEC dataset=humaneval 'experiment.methods=[ar,spec,each_arm,hf_generate,hf_compiled]' hydra.run.dir=$R/he;;
+    mt)  $DEC dataset=mtbench 'experiment.methods=[ar,spec,each_arm]' hydra.run.dir=$R/mt;;
+    gsm) $DEC dataset=gsm8k 'experiment.methods=[ar,spec,each_arm]' hydra.run.dir=$R/gsm;;
+    fp32) $DEC hardware.dtype=float32 dataset=humaneval dataset.n_prompts=4 dataset.max_new_tokens=64 \
+            'experiment.methods=[ar,each_arm]' hydra.run.dir=$R/fp32;;
+    nf4) for q in nf4 bf16; do
+           $DEC dataset=humaneval dataset.n_prompts=8 'experiment.methods=[ar,each_arm]' \
+             'drafters.arms=[[coder05b,3],[ngram,3]]' bandit=fixed \
+             $([ $q = nf4 ] && echo hardware.quantization=nf4) hydra.run.dir=$R/$q || return 1
+         done;;
+    heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen &&
+           $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads)" >&2; return 2;;
+  esac
+}
+for s in "$@"; do
+  echo "=== $s $(date +%T)"
+  stage "$s" 2>&1 | grep --line-buffered -Ev "$QUIET" > "$OUT/$s.log"; rc=${PIPESTATUS[0]}
+  tail -25 "$OUT/$s.log"; [ "$rc" = 0 ] || echo "=== $s failed (rc $rc)"
+done
+tar czf "$OUT/qwen_runs.tgz" -C $R . && ls -la "$OUT"
