@@ -34,7 +34,7 @@ from flashspec.analysis.head_timing import head_latency
 from flashspec.bandits import FixedArm
 from flashspec.heads import FullHeadChoice, LowRankChoice, resolve_rank
 from flashspec.paths import file_sha256, repo_path
-from flashspec.records import config_hash
+from flashspec.records import DecodeRecord, config_hash
 from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, decode_stats,
                                format_bandit_vs_fixed, format_table, method_records, percentile,
                                pick_counts, policy_regret, rates, summarize)
@@ -652,17 +652,16 @@ def _record(method: str, p: Prompt, turn: int, prompt_ids: list[int], st: dict, 
             batch_id: int, batch_size: int, params: SamplingParams) -> dict[str, Any]:
     n_new = len(st["tokens"])
     steps = st["steps"]
-    return {"experiment": "decode", "method": method, "dataset": p.dataset, "prompt_id": p.id,
-            "domain": p.domain, "category": p.category, "turn": turn,
-            "n_prompt_tokens": len(prompt_ids), "n_new_tokens": n_new, "wall_s": st["wall_s"],
-            "decode_s": st["decode_s"], "tps": n_new / st["wall_s"] if st["wall_s"] else None,
-            "decode_tps": n_new / st["decode_s"] if st["decode_s"] else None, "steps": steps,
-            "n_proposed": st["n_proposed"], "n_accepted": st["n_accepted"],
-            **rates(st["n_accepted"], st["n_proposed"], steps),
-            "accept_hist": st["accept_hist"], "arms": st["arms"], "rewards": st["rewards"],
-            "step_p50_s": st.get("step_p50_s"), "step_p99_s": st.get("step_p99_s"),
-            "capture_s": st.get("capture_s", 0.0),
-            **{k: st[k] for k in ("head_s", "head_calls") if k in st},
-            "gamma": max((len(st["accept_hist"]) - 1), 0), "batch_size": batch_size,
-            "batch_id": f"{method}:{batch_id}:{turn}", "temperature": params.temperature,
-            "tokens": st["tokens"], "text": text}
+    rate = rates(st["n_accepted"], st["n_proposed"], steps)
+    return DecodeRecord(
+        method=method, dataset=p.dataset, prompt_id=p.id, domain=p.domain, category=p.category,
+        turn=turn, n_prompt_tokens=len(prompt_ids), n_new_tokens=n_new, wall_s=st["wall_s"],
+        decode_s=st["decode_s"], tps=n_new / st["wall_s"] if st["wall_s"] else None,
+        decode_tps=n_new / st["decode_s"] if st["decode_s"] else None, steps=steps,
+        n_proposed=st["n_proposed"], n_accepted=st["n_accepted"], alpha=rate["alpha"],
+        tau=rate["tau"], accept_hist=st["accept_hist"], arms=st["arms"], rewards=st["rewards"],
+        step_p50_s=st.get("step_p50_s"), step_p99_s=st.get("step_p99_s"),
+        capture_s=st.get("capture_s", 0.0), head_s=st.get("head_s"), head_calls=st.get("head_calls"),
+        gamma=max(len(st["accept_hist"]) - 1, 0), batch_size=batch_size,
+        batch_id=f"{method}:{batch_id}:{turn}", temperature=params.temperature,
+        tokens=st["tokens"], text=text).as_dict()

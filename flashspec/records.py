@@ -11,10 +11,10 @@ import platform
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 
@@ -163,10 +163,76 @@ def repair_tail(path: str | Path) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class DecodeRecord:
+    """One decode record: one prompt (turn) decoded by one method. The one schema of the decode
+    records every decoding experiment writes (decode, bench, mixed_stream, head_decode), that
+    :func:`read_records` checks, ``scripts/collect.py`` orders its columns by and the notebooks
+    read through collect. ``as_dict`` is what goes on disk (a record's provenance is added by
+    the run directory's writer)."""
+
+    method: str
+    dataset: str
+    prompt_id: str
+    domain: str | None
+    category: str | None
+    turn: int
+    n_prompt_tokens: int
+    n_new_tokens: int
+    wall_s: float
+    decode_s: float
+    tps: float | None
+    decode_tps: float | None
+    steps: int
+    n_proposed: int
+    n_accepted: int
+    alpha: float | None          # accepted / proposed drafts (None: nothing proposed)
+    tau: float | None            # tokens per step
+    accept_hist: list[int]       # steps by accepted drafts: [0 accepted, 1, ..., gamma]
+    arms: list[int]              # the arm index each step played
+    rewards: list[float]         # the policy's reward of each step it learned from
+    step_p50_s: float | None
+    step_p99_s: float | None
+    capture_s: float
+    gamma: int                   # longest draft of the method (len(accept_hist) - 1)
+    batch_size: int
+    batch_id: str                # method:batch:turn (records decoded in one generate call)
+    temperature: float
+    tokens: list[int]
+    text: str
+    head_s: float | None = None  # experiment=head_decode's in-loop head stopwatch (eager only)
+    head_calls: int | None = None
+    experiment: str = "decode"
+
+    IDENTITY: ClassVar[tuple[str, ...]] = ("method", "dataset", "prompt_id", "turn")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and "None" not in str(f.type):
+                raise FlashSpecError(f"decode record: {f.name} is None")
+        if not 0 <= self.n_accepted <= self.n_proposed:
+            raise FlashSpecError(f"decode record {self.method}/{self.prompt_id}: accepted "
+                                 f"{self.n_accepted} of {self.n_proposed} proposed")
+        if len(self.tokens) != self.n_new_tokens:
+            raise FlashSpecError(f"decode record {self.method}/{self.prompt_id}: "
+                                 f"{len(self.tokens)} tokens, n_new_tokens {self.n_new_tokens}")
+
+    @classmethod
+    def columns(cls) -> list[str]:
+        """Field names in schema order (``experiment`` first, as tables show it)."""
+        names = [f.name for f in fields(cls)]
+        return ["experiment", *[n for n in names if n != "experiment"]]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.columns()}
+        return {k: v for k, v in out.items() if v is not None or k not in ("head_s", "head_calls")}
+
+
 # Fields without which a record of an experiment cannot be used (grouped by method, paired with
 # its AR record, skipped on resume): such a record is reported and left out, never pooled into a
 # nameless row.
-RECORD_FIELDS: dict[str, tuple[str, ...]] = {"decode": ("method", "dataset", "prompt_id", "turn")}
+RECORD_FIELDS: dict[str, tuple[str, ...]] = {"decode": DecodeRecord.IDENTITY}
 
 
 def read_records(path: str | Path, required: Sequence[str] = (),

@@ -44,7 +44,7 @@ import yaml
 
 from flashspec.errors import FlashSpecError
 from flashspec.metrics import alpha, tau
-from flashspec.records import RUN_CONFIG_HISTORY, read_records
+from flashspec.records import RUN_CONFIG_HISTORY, DecodeRecord, read_records
 
 DECODE = "decode"
 BASELINE = "ar"
@@ -53,10 +53,8 @@ JOBS, SUMMARY = "jobs", "summary"   # table names beside -o: <stem>_jobs, <stem>
 ROLE_STATS = ("alpha", "tau", "tps", "decode_tps", "speedup", "step_p50_s", "step_p99_s")
 GROUP_KEYS = ["sweep_dir", "run_dir", "swept", "dataset", "method"]
 PAIR_KEYS = ["run_dir", "dataset", "prompt_id", "turn", "temperature", "batch_size"]
-DECODE_COLUMNS = ["experiment", "method", "dataset", "prompt_id", "domain", "turn",
-                  "n_prompt_tokens", "n_new_tokens", "wall_s", "decode_s", "tps", "decode_tps",
-                  "steps", "n_proposed", "n_accepted", "alpha", "tau", "accept_hist", "arms",
-                  "gamma", "batch_size", "temperature", "text", "provenance"]
+# the decode records' schema (flashspec.records.DecodeRecord), then the provenance block
+DECODE_COLUMNS = [*DecodeRecord.columns(), "provenance"]
 
 
 def record_files(paths: Iterable[Path]) -> list[Path]:
