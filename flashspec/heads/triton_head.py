@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashspec.kernels import HEAD_MAX_ROWS as MAX_ROWS, head_reason  # noqa: F401 (the limit)
+# MAX_ROWS: the limit under the name this module's callers read
+from flashspec.kernels import HEAD_MAX_ROWS as MAX_ROWS, head_reason  # noqa: F401
 from flashspec.options import interpreted
 
 
