@@ -13,6 +13,8 @@ it in conftest.py), and it decides how ``@triton.jit`` builds each kernel object
 never reads that variable: :func:`interpreted` asks a kernel object how it was built. CPU
 tensors can run the kernels only when it is true (the verify backend then falls back to the
 reference, with a logged reason, and the fused layers and head kernel keep their torch paths).
+Which form runs a call, from these options, the tensors and that mode, is decided in one place,
+:func:`flashspec.kernels.choose`.
 """
 from __future__ import annotations
 

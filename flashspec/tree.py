@@ -25,6 +25,7 @@ import torch
 
 from flashspec.core import (NODE_STREAMS, pack_bits, SamplingParams, TreeAttention, TreeDraft,
                             TreeShape)
+from flashspec.kernels import choose
 from flashspec.verify.sampling import mask_warps, inverse_temperature
 
 
@@ -57,10 +58,17 @@ def compact_path(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch
     ``cache`` (a :class:`flashspec.models.llama.KVCache`; unaccepted slots copy onto
     themselves), and return the hidden states [B, D + 1, d] of the root and the path (the
     root's where the path stops) out of the step's ``hidden`` [B, N + 1, d]. ``fused``
-    (default: on a GPU): all of it in one Triton launch (:func:`flashspec.tree_kernels.compact`)."""
-    if hidden.is_cuda if fused is None else fused:
+    (default: on a GPU, :mod:`flashspec.kernels`' ``tree_compaction``): all of it in one Triton
+    launch (:func:`flashspec.tree_kernels.compact`)."""
+    if choose("tree_compaction", hidden, force=fused).triton:
         from flashspec.tree_kernels import compact
         return compact(cache.k, cache.v, hidden, path, lengths)
+    return _compact(cache, hidden, path, lengths)
+
+
+def _compact(cache, hidden: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor
+             ) -> torch.Tensor:
+    """The torch form of :func:`compact_path`."""
     dst = lengths[:, None] + torch.arange(path.shape[1], device=path.device)
     cache.move(torch.where(path >= 0, lengths[:, None] - 1 + path, dst), dst)
     cols = torch.cat([torch.zeros_like(path[:, :1]), path.clamp(min=0)], dim=1)
@@ -79,13 +87,20 @@ def pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
     sequential draws). The uniforms come from ``generator``, or, with a device ``seed``, from
     the counter-based streams ``streams`` [...] (one per node; no torch RNG state, so a CUDA
     graph can replay the draw with a new seed). On a GPU, greedy and counter-based draws with
-    temperature only run as :func:`flashspec.verify.argmax.row_topk` (two kernels, the same draws)."""
-    plain = not params.top_k and params.top_p >= 1.0
-    if logits.is_cuda and (params.greedy or (seed is not None and plain)):
+    temperature only run as :func:`flashspec.verify.argmax.row_topk` (two kernels, the same draws;
+    :mod:`flashspec.kernels`' ``topk``)."""
+    if choose("topk", logits, params=params, seed=seed).triton:
         from flashspec.verify.argmax import row_topk
         if params.greedy:
             return row_topk(logits, k)
         return row_topk(logits, k, inverse_temperature(params.temperature), seed, streams)
+    return _pick_children(logits, k, params, generator, seed, streams)
+
+
+def _pick_children(logits: torch.Tensor, k: int, params: SamplingParams,
+                   generator: torch.Generator | None, seed: torch.Tensor | None = None,
+                   streams: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form of :func:`pick_children` (any warp, a generator or a device seed)."""
     if params.greedy:
         lp, tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         return tok, lp
@@ -124,11 +139,11 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
     tree gate in tests/test_exactness_tree.py fails that way). So a sampled dynamic tree ranks
     the k-th child of v by what is known before it is drawn: v's cumulative log q plus the log
     of the draft mass its earlier siblings left, ``log(1 - q(c_1) - ... - q(c_{k-1}))``; v's
-    own cumulative score still ranks v's children. ``fused`` (default: on a GPU): the
-    bookkeeping of each depth and the final choice run as single Triton kernels
-    (:mod:`flashspec.tree_kernels`), with the same result."""
+    own cumulative score still ranks v's children. ``fused`` (default: on a GPU,
+    :mod:`flashspec.kernels`' ``tree_growth``): the bookkeeping of each depth and the final
+    choice run as single Triton kernels (:mod:`flashspec.tree_kernels`), with the same result."""
     batch, dev = root_logits.shape[0], root_logits.device
-    fused = root_logits.is_cuda if fused is None else fused
+    fused = choose("tree_growth", root_logits, force=fused).triton
     m = shape.candidates
     rows = torch.arange(batch, device=dev)[:, None]
     words = -(-(m + 1) // 64)
@@ -171,7 +186,7 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
             logits = expand(frontier, f_tok, f_par, d, f_bits)
     if not shape.nodes:
         return TreeDraft(tokens, parents, depth, raw, bits=bits)
-    if fused:
+    if fused:      # the selection takes the growth's form (tree_selection: the same rule)
         from flashspec.tree_kernels import keep_best
     else:
         keep_best = _keep_best

@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from flashspec.core import SamplingParams, TreeDraft
+from flashspec.kernels import MAX_GRID_Y, choose
 from flashspec.tree import compact_path
 from flashspec.verify import get_backend, reference, verify, verify_tree
 from flashspec.verify import triton_backend as tb
-from flashspec.verify.triton_host import MAX_GRID_Y
 
 CUDA_GRID = (2**31 - 1, 65535, 65535)
 ROWS = [65535, 65536, 200_000]
@@ -63,8 +63,10 @@ def test_gpu_plan_grids_fit_cuda_limits(batch, fused):
 def test_long_drafts_fall_back_to_the_reference():
     """γ + 1 positions sit on grid axis 1: longer drafts than it holds go to the reference."""
     x = torch.zeros(1, MAX_GRID_Y + 1, 2, device="cuda" if torch.cuda.is_available() else "cpu")
-    assert "draft lengths" in tb._fallback_reason(x, None, SamplingParams(1.0))
-    assert tb._fallback_reason(x[:, :MAX_GRID_Y], None, SamplingParams(1.0)) is None
+    assert "draft lengths" in choose("verify", x, draft_logits=None,
+                                     params=SamplingParams(1.0)).reason
+    assert choose("verify", x[:, :MAX_GRID_Y], draft_logits=None,
+                  params=SamplingParams(1.0)).reason is None
 
 
 @pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0),

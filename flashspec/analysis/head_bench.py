@@ -29,13 +29,13 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from flashspec.heads.modules import FullHead, LowRankHead, TruncatedHead
+from flashspec.kernels import HEAD_MAX_ROWS as TRITON_MAX_ROWS
 from flashspec.theory import equal_cost_keep, lowrank_cost_ratio
 
 SHAPES = ((576, 49152), (2048, 32000), (4096, 128256), (3584, 152064))
 SHAPE_NAMES = {(576, 49152): "smollm2-135m", (2048, 32000): "tinyllama-1.1b",
                (4096, 128256): "llama-3.1-8b", (3584, 152064): "qwen2.5-7b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TRITON_MAX_ROWS = 16  # flashspec.heads.triton_head.MAX_ROWS (not imported: triton stays optional)
 
 
 @dataclass

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from flashspec.errors import FlashSpecError
+from flashspec.kernels import choose
 from flashspec.matmul import linear
+from flashspec.options import KernelOptions
 
 
 LAYOUTS = ("out_in", "in_out")
@@ -76,6 +78,10 @@ class FullHead(nn.Module):
                 "flops_per_token": self.flops_per_token(), "layout": layout_of(self.weight)}
 
 
+# a LowRankHead carries KernelOptions.head_triton as its ``use_triton`` (heads/choice.py sets it)
+_HEAD_OPTIONS = {flag: KernelOptions(head_triton=flag) for flag in (False, True)}
+
+
 class LowRankHead(nn.Module):
     """SlimSpec head: logits = (h W_down^T) W_up^T, W_down [r, d], W_up [V, r]; dense matmuls.
 
@@ -136,10 +142,9 @@ class LowRankHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         u = linear(h, self.w_down)
-        if self.use_triton and u.is_cuda:
+        if choose("head_up", u, _HEAD_OPTIONS[bool(self.use_triton)], weight=self.w_up).triton:
             from flashspec.heads import triton_head  # lazy: triton only where CUDA runs it
-            if triton_head.supports(u, self.w_up):
-                return triton_head.skinny_matmul(u, self.w_up)
+            return triton_head.skinny_matmul(u, self.w_up)
         return linear(u, self.w_up)
 
     def weight_bytes(self) -> int:

@@ -19,11 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+# MAX_ROWS: the limit under the name this module's callers read
+from flashspec.kernels import HEAD_MAX_ROWS as MAX_ROWS, head_reason  # noqa: F401
 from flashspec.options import interpreted
-
-MAX_ROWS = 16
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_ELEMENTS = 1 << 31  # int32 offsets inside the kernel
 
 
 @dataclass(frozen=True)
@@ -47,13 +45,9 @@ def default_config(rows: int, k: int) -> Config:
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_matmul(x, weight)`` applies: same dtype and device, 1..16 rows, no
-    autograd (the kernel has no backward), int32-addressable weight."""
-    if x.dim() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.shape[-1] == 0:
-        return False
-    rows = x.numel() // x.shape[-1]
-    return (x.dtype == weight.dtype and x.dtype in DTYPES and x.device == weight.device
-            and 0 < rows <= MAX_ROWS and weight.numel() < _MAX_ELEMENTS
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    autograd (the kernel has no backward), int32-addressable weight (the ``head_up`` rule's
+    limits, :func:`flashspec.kernels.head_reason`)."""
+    return head_reason(x, weight) is None
 
 
 @triton.jit

@@ -40,11 +40,13 @@ from torch import nn
 from triton.language.extra import libdevice
 
 from flashspec.core import TreeAttention
+from flashspec.kernels import DECODE_MAX_TOKENS, choose
 from flashspec.matmul import linear
 from flashspec.models.llama import LlamaLM, Linear
 from flashspec.options import interpreted
 
-MAX_TOKENS = 4096   # query tokens per row up to which a cached step (prefill too) is fused
+MAX_TOKENS = DECODE_MAX_TOKENS   # query tokens per row up to which a cached step (prefill too)
+                                 # is fused (the decode_layers rule's limit)
 AR_BLOCK_M = 16     # query rows per attention program of a one-token (AR) step
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -542,10 +544,8 @@ def _gate_up(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def usable(x: torch.Tensor, positions: torch.Tensor, cache) -> bool:
     """Whether a step may take the fused layers: cached, at most MAX_TOKENS per row, on CUDA
     (or the interpreter), without autograd, not traced by torch.compile (which fuses the
-    reference layers itself)."""
-    return (cache is not None and positions.shape[1] <= MAX_TOKENS
-            and (x.is_cuda or INTERPRET) and not (torch.is_grad_enabled() and x.requires_grad)
-            and not torch.compiler.is_compiling())
+    reference layers itself): :mod:`flashspec.kernels`' ``decode_layers`` rule."""
+    return choose("decode_layers", x, positions=positions, cache=cache).triton
 
 
 def block_step(block: nn.Module, residual: torch.Tensor, delta: torch.Tensor | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashspec.core import SamplingParams
+from flashspec.kernels import choose
 
 
 def check_finite(logits: torch.Tensor, what: str) -> None:
@@ -53,9 +54,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     stream = row * 64 + step), argmax of x * (1/T) - log(-log u) over the top-k/top-p masked
     logits x, instead of ``generator``: no torch RNG state, so a CUDA graph can replay it with
     a new seed. On a GPU the argmax and, without top-k/top-p, the whole draw run as the Triton
-    kernels of :mod:`flashspec.verify.argmax` (the same bits)."""
+    kernels of :mod:`flashspec.verify.argmax` (the same bits; :mod:`flashspec.kernels`'
+    ``argmax`` and ``gumbel_argmax``)."""
     if params.greedy:
-        if logits.is_cuda:
+        if choose("argmax", logits).triton:
             from flashspec.verify.argmax import row_argmax    # triton only on a GPU
             return row_argmax(logits)
         return logits.argmax(dim=-1)
@@ -63,7 +65,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logp = warp_logprobs(logits, params)
         flat = logp.reshape(-1, logp.shape[-1])
         return torch.multinomial(flat.exp(), 1, generator=generator).reshape(logp.shape[:-1])
-    if logits.is_cuda and not params.top_k and params.top_p >= 1.0:
+    if choose("gumbel_argmax", logits, params=params).triton:
         from flashspec.verify.argmax import gumbel_argmax
         return gumbel_argmax(logits, inverse_temperature(params.temperature), seed, step)
     return gumbel_draw(logits, params, seed, step)

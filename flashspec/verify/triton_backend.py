@@ -14,7 +14,8 @@ FloatingPointError like the reference.
 What is not fused falls back to the reference with a logged reason (once per reason):
 top-p < 1, top-k > 256, top-k on CUDA (unless KernelOptions.fuse_topk_on_cuda), dtypes other than
 bf16/fp16/fp32, V >= 2^24, γ >= 65,535 (the positions' grid axis), CPU tensors without Triton's
-interpreter (flashspec.options.interpreted).
+interpreter (flashspec.options.interpreted); the rule is the ``verify`` op's of
+:mod:`flashspec.kernels`.
 
 Every switch comes in as a :class:`flashspec.options.KernelOptions` argument (``options=``);
 the module holds no switches of its own.
@@ -35,16 +36,15 @@ from dataclasses import dataclass, field
 import torch
 
 from flashspec.core import SamplingParams
+from flashspec.kernels import DTYPES, choose
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import reference
 from flashspec.verify.api import Backend
 from flashspec.verify.checks import check_shapes
 from flashspec.verify import triton_kernels as K
 from flashspec.verify import triton_tree
-from flashspec.verify.triton_host import (DTYPES, MAX_GRID_Y, log_once, next_pow2, seed_args,
-                                         unfused_input, unit_rows)
+from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unit_rows
 
-MAX_TOPK = 256
 INTERPRET = interpreted(K.stats_kernel)     # how the kernels were built (not a switch)
 FUSE_MAX_BATCH = 8      # default plan: fused merges up to this batch (launch-bound), else separate
 
@@ -105,20 +105,6 @@ def _chunk(rows: int, vocab: int, sizes: tuple[int, ...], smallest: int, program
     return next((c for c in sizes if rows * math.ceil(vocab / c) >= programs), smallest)
 
 
-def _fallback_reason(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
-                     params: SamplingParams, options: KernelOptions = DEFAULT) -> str | None:
-    vocab = target_logits.shape[-1]
-    if target_logits.shape[1] > MAX_GRID_Y:
-        return f"draft lengths of {MAX_GRID_Y} tokens or more are not fused"
-    if params.top_p < 1.0:
-        return "top-p is not fused"
-    if 0 < params.top_k < vocab and params.top_k > MAX_TOPK:
-        return f"top-k > {MAX_TOPK} is not fused"
-    if 0 < params.top_k < vocab and target_logits.is_cuda and not options.fuse_topk_on_cuda:
-        return "fused top-k is disabled on CUDA (mismatched the reference on an H200)"
-    return unfused_input(target_logits, draft_logits, INTERPRET)
-
-
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
            draft_logits: torch.Tensor | None, params: SamplingParams,
            seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
@@ -126,9 +112,9 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     """Fused verification: (out_tokens [B, γ+1] int64 padded with -1, n_accepted [B] int64).
     Shapes are checked here (host metadata only), values are not (flashspec.verify.checks)."""
     check_shapes(target_logits, draft_tokens, draft_logits)
-    reason = _fallback_reason(target_logits, draft_logits, params, options)
-    if reason is not None:
-        log_once(reason)
+    choice = choose("verify", target_logits, options, draft_logits=draft_logits, params=params)
+    if not choice.triton:
+        log_once(choice.reason)
         return reference.verify(target_logits, draft_tokens, draft_logits, params, seed,
                                 temperature=temperature)
     out, nacc = launch(target_logits, draft_tokens, draft_logits, params, seed, temperature,

@@ -1,5 +1,6 @@
 """Host-side helpers shared by the Triton verify launchers (chain: triton_backend, tree:
-triton_tree): fused dtypes, once-per-reason fallback logging, argument preparation."""
+triton_tree): once-per-reason fallback logging, argument preparation (what the kernels take,
+and so when they fall back, is :mod:`flashspec.kernels`' rule)."""
 from __future__ import annotations
 
 import logging
@@ -8,10 +9,6 @@ import torch
 
 log = logging.getLogger("flashspec.verify.triton")
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# CUDA's limit on programs along grid axes 1 and 2 (axis 0 takes 2^31 - 1): launches keep
-# anything that grows with the batch on axis 0
-MAX_GRID_Y = 65535
 LOGGED: set[str] = set()
 _DUMMY_SEED: dict[torch.device, torch.Tensor] = {}
 
@@ -24,20 +21,6 @@ def log_once(reason: str) -> None:
     if reason not in LOGGED:
         LOGGED.add(reason)
         log.warning("triton verify falls back to the torch reference: %s", reason)
-
-
-def unfused_input(target_logits: torch.Tensor, draft_logits: torch.Tensor | None,
-                  interpret: bool) -> str | None:
-    """Why these logits cannot go to a Triton verify kernel (dtype, vocabulary size, a CPU
-    tensor without the interpreter), or None; each launcher adds its own sampling limits."""
-    for t in (target_logits, draft_logits):
-        if t is not None and t.dtype not in DTYPES:
-            return f"logits dtype {t.dtype} is not fused (bf16/fp16/fp32 are)"
-    if target_logits.shape[-1] >= 1 << 24:
-        return "vocabularies of 2^24 or more tokens are not fused"
-    if target_logits.device.type == "cpu" and not interpret:
-        return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
-    return None
 
 
 def seed_args(seed: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int, int]:

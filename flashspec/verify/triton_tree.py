@@ -32,10 +32,11 @@ import triton
 import triton.language as tl
 
 from flashspec.core import SamplingParams, TreeDraft
+from flashspec.kernels import choose
 from flashspec.options import DEFAULT, KernelOptions, interpreted
 from flashspec.verify import tree as reference_tree
 from flashspec.verify.checks import check_tree_shapes
-from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unfused_input, unit_rows
+from flashspec.verify.triton_host import log_once, next_pow2, seed_args, unit_rows
 from flashspec.verify.triton_kernels import (BIG_IDX, FLT_MAX, NEG_INF, POS_INF, RBLK, _exp,
                                              _load_seed_rt, _log, _row_temps, _stream_key,
                                              _uniform)
@@ -300,13 +301,6 @@ def tree_walk_kernel(tgt, t_sb, drf, d_sb, tok, par, temp_ptr, temp, seed_ptr, s
 INTERPRET = interpreted(tree_walk_kernel)     # how the kernels were built (not a switch)
 
 
-def _fallback_reason(target_logits: torch.Tensor, draft: TreeDraft,
-                     params: SamplingParams) -> str | None:
-    if params.top_k > 0 or params.top_p < 1.0:
-        return "tree verify fuses temperature only (top-k/top-p are not fused)"
-    return unfused_input(target_logits, draft.logits, INTERPRET)
-
-
 def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
                 seed: int | torch.Tensor = 0, temperature: torch.Tensor | None = None,
                 depth: int | None = None, options: KernelOptions = DEFAULT
@@ -314,9 +308,9 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     """Fused tree verification: (out [B, D + 1], n_accepted [B], path [B, D]) as the reference.
     ``depth`` is D (the deepest node; read from the draft, a host sync, when not given)."""
     check_tree_shapes(target_logits, draft)
-    reason = _fallback_reason(target_logits, draft, params)
-    if reason is not None:
-        log_once(reason)
+    choice = choose("tree_verify", target_logits, draft_logits=draft.logits, params=params)
+    if not choice.triton:
+        log_once(choice.reason)
         return reference_tree.verify_tree(target_logits, draft, params, seed, temperature, depth)
     out, nacc, path = launch(target_logits, draft, params, seed, temperature,
                              int(draft.depth.max()) if depth is None else depth)
