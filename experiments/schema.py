@@ -166,6 +166,7 @@ BENCH = {**{k: v for k, v in DECODE.items() if k != "methods"}, "methods": MAPPI
 _HEAD = {k.removeprefix("head."): v for k, v in COMMON.items() if k.startswith("head.")}
 HEAD_DECODE = {"drafter_name": TEXT, "gamma": POSITIVE, "temperature": number(0),
                "timing_iters": POSITIVE, "drafter.checkpoint": TEXT, "drafter.first": POSITIVE,
+               "drafter.source": TEXT,
                "variants.*.drafter.checkpoint": TEXT, "variants.*.drafter.first": POSITIVE,
                **{f"variants.*.head.{k}": v for k, v in _HEAD.items()}}
 

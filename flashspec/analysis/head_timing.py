@@ -1,7 +1,8 @@
 """One head's latency in this process: what SlimSpec's ν and κ are measured from.
 
 On CUDA the head is timed inside a CUDA graph (SlimSpec's ν is a kernel-time ratio; a host
-timer around one call adds ~10-20 µs of launch and sync that swamps a low-rank head's ~20 µs).
+timer around one call adds launch and synchronisation latency of the same order as a low-rank
+head's whole kernel time, so it would measure the host, not the head).
 Each timed call is preceded by a write of a buffer larger than L2, so the head reads its weights
 from HBM as it does in a decode step, where the layers between two head calls evict them; the
 flush's own time (a graph of flushes alone) is subtracted. Elsewhere a host timer per call.
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-_FLUSH_BYTES = 256 << 20            # above every current GPU's L2 (H200: 60 MiB)
+_FLUSH_BYTES = 256 << 20            # above the L2 of every current GPU
 
 
 def head_latency(head: torch.nn.Module, hidden: int, device: torch.device, dtype: torch.dtype,
