@@ -123,8 +123,8 @@ def save(cfg: DictConfig, records: list[dict[str, Any]], arm_labels: Sequence[st
                          # a prior measured on the prompts it is then evaluated on is in-sample:
                          # the split says whether a warm start saw the eval prompts
                          "data": {k: data.get(k) for k in ("name", "split", "n_prompts", "seed")},
-                         "from": "each arm alone where the job ran it, else the steps of "
-                                 f"{spec} on it"})
+                         "from": "each arm alone where the job ran it" + (
+                             f", else the steps of {spec} on it" if spec else "")})
         written += [str(save_priors(d, priors)) for d in dirs]
     if written:
         log.info("priors written: %s", ", ".join(written))
