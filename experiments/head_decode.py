@@ -207,6 +207,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if in_loop:
         kw = {**kw, "graphs": False}
     variants = build_variants(cfg, target, tokenizer)
+    iters = 5 if cfg.smoke else int(exp.timing_iters)
+    # the heads alone, before any gets the in-loop stopwatch
+    latencies = {name: head_latency(d.head, _hidden(d.head, target), target.device, target.dtype,
+                                    iters) for name, d in variants}
     methods = [engine_method("ar", SpecEngine(target, [Arm()], **kw))]
     names: dict[str, str] = {}
     for name, drafter in variants:
@@ -216,9 +220,6 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             drafter.head = clock = TimedHead(drafter.head)
         method = engine_method(names[name], SpecEngine(target, [arm], drafters=[drafter], **kw))
         methods.append(timed_method(method, clock) if in_loop else method)
-    iters = 5 if cfg.smoke else int(exp.timing_iters)
-    latencies = {name: head_latency(getattr(d.head, "inner", d.head), _hidden(d, target),
-                                    target.device, target.dtype, iters) for name, d in variants}
     with run_dir(cfg, "records.jsonl", data=dataset.name) as run:
         done = run.done_keys("method", "prompt_id", "turn")
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
@@ -241,9 +242,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return {"summary": summary, "heads": rows}
 
 
-def _hidden(drafter, target) -> int:
-    """The width of the hidden vector the drafter's head reads (a separate draft LM's own d)."""
-    head = getattr(drafter.head, "inner", drafter.head)
+def _hidden(head: torch.nn.Module, target) -> int:
+    """The width of the hidden vector a drafter's head reads (a separate draft LM's own d)."""
     if hasattr(head, "hidden_size"):                      # FlashSpec's heads
         return int(head.hidden_size)
     if isinstance(head, torch.nn.Linear):                 # a model's own LM head (the full one)

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
+
+from flashspec.graphs import capture
 
 _FLUSH_BYTES = 256 << 20            # above the L2 of every current GPU
 
@@ -25,7 +28,7 @@ def head_latency(head: torch.nn.Module, hidden: int, device: torch.device, dtype
     h = torch.randn(1, hidden, device=device, dtype=dtype)
     with torch.inference_mode():
         if graph if graph is not None else device.type == "cuda":
-            return _graph_latency(head, h, iters, warmup)
+            return _graph_latency(head, h, iters)
         times = []
         for i in range(iters + warmup):
             t0 = time.perf_counter()
@@ -37,26 +40,19 @@ def head_latency(head: torch.nn.Module, hidden: int, device: torch.device, dtype
         return statistics.median(times)
 
 
-def _graph_latency(head: torch.nn.Module, h: torch.Tensor, iters: int, warmup: int,
-                   calls: int = 16) -> float:
+def _graph_latency(head: torch.nn.Module, h: torch.Tensor, iters: int, calls: int = 16) -> float:
     flush = torch.empty(_FLUSH_BYTES // 4, device=h.device, dtype=torch.float32)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                 # warm-up (autotuning, lazy init) off-graph
-        for _ in range(warmup):
-            head(h)
-    torch.cuda.current_stream().wait_stream(side)
 
-    def captured(with_head: bool) -> torch.cuda.CUDAGraph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    def run(with_head: bool) -> Callable[[], None]:
+        def go() -> None:
             for _ in range(calls):
                 flush.fill_(1.0)
                 if with_head:
                     head(h)
-        return g
+        return go
 
-    both, alone = captured(True), captured(False)
+    # the runner's capture: warm-up runs (autotuning, lazy init) on a side stream first
+    (both, _), (alone, _) = capture(run(True)), capture(run(False))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def per_call(g: torch.cuda.CUDAGraph) -> float:
