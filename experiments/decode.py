@@ -139,6 +139,7 @@ class Plan:
     policies: list[Policy] = field(default_factory=list)   # spec's, then the extra ones
     reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
     named: list[str] = field(default_factory=list)   # experiment=bench: role = method name
+    named_arms: dict[str, list[str]] = field(default_factory=dict)   # bench method -> arm labels
 
     @property
     def arm_names(self) -> list[str]:
@@ -198,12 +199,17 @@ def build_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams, eo
                     plan.extra.append(name)
                 plan.methods.append(engine_method(name, SpecEngine(target, arms, policy, planner=planner, **kw)))
         elif m == "each_arm":
+            # beside a learning policy the arms are timed in this job, rotated with it batch by
+            # batch: a copy from an earlier job of the sweep was timed minutes before, and on a
+            # CPU that drift is larger than the policy-vs-best-arm gap the comparison measures
+            timed_here = "spec" in wanted and any(p.learns for p in policies)
             for i, a in enumerate(arms):
                 plan.arms[i] = arm_method(a.label)
                 if plan.arms[i] in (m.name for m in plan.methods):   # bandit=fixed already runs it
                     continue
                 fixed = FixedArm(1, reward=policies[0].reward_kind)   # the policy's own reward kind
                 plan.methods.append(engine_method(plan.arms[i], SpecEngine(target, [a], fixed, **kw),
+                                                  None if timed_here else
                                                   arm_key_of(cfg, a, fixed.reward_kind)))
         elif m == "full_head":
             _full_head_reference(cfg, plan, ctx, drafters, arms, kw)
@@ -239,6 +245,7 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
         plan.methods.append(engine_method(name, engine))
         if name != "ar":
             plan.named.append(name)
+            plan.named_arms[name] = [a.label for a in arms]
     return plan
 
 
@@ -343,7 +350,9 @@ def _hf_model(cfg: DictConfig, target):
 # sampling, batching, warm-up), the method's own (arm: its drafter entry resolved, checkpoint
 # files by content, γ, reward kind) and the code (every flashspec/ and experiments/ source file,
 # torch and transformers versions). Copied records keep their timings and say where they come
-# from (``reused_from``); ``experiment.reuse=false`` decodes everything in every job.
+# from (``reused_from``); ``experiment.reuse=false`` decodes everything in every job. Each arm
+# alone is not copied into a job that runs a learning policy: the policy is compared with the
+# arms timed beside it.
 _REUSE: dict[str, dict[str, Any]] = {}
 RUN_KEY_SKIP = {"drafters", "head", "bandit", "priors", "planner", "logger", "resume", "output_dir",
                 "hydra"}
@@ -556,6 +565,23 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return {"summary": rows, "job": job, "records": str(run.writer.path)}
 
 
+def bench_vs_best_fixed(job: dict[str, Any], named_arms: dict[str, list[str]]) -> dict[str, Any]:
+    """experiment=bench: a method over several arms against the best of the one-arm methods
+    that play those arms alone in the same job (``<method>/vs_best_fixed`` and ``/best_fixed``),
+    where every one of its arms has such a method."""
+    alone = {arms[0]: n for n, arms in named_arms.items() if len(arms) == 1}
+    out: dict[str, Any] = {}
+    for name, arms in named_arms.items():
+        fixed = [alone.get(a) for a in arms]
+        if len(arms) < 2 or None in fixed or job.get(f"{name}/tps") is None \
+                or any(job.get(f"{f}/tps") is None for f in fixed):
+            continue
+        best = max(fixed, key=lambda f: job[f"{f}/tps"])
+        out[f"{name}/vs_best_fixed"] = job[f"{name}/tps"] / job[f"{best}/tps"]
+        out[f"{name}/best_fixed"] = best
+    return out
+
+
 def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[dict[str, Any], list[float]]:
     """The papers' quantities of one job under flat keys (identical across jobs of a sweep):
     ``<role>/{alpha,tau,tps,decode_tps,speedup,step_p50_s,step_p99_s}`` for ar, spec,
@@ -573,6 +599,7 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
     for name in plan.named:   # the bench's ratio: pooled tokens per second over AR's
         if ar_tps and job.get(f"{name}/tps") is not None:
             job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
+    job.update(bench_vs_best_fixed(job, plan.named_arms))
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)

@@ -165,7 +165,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def group_node(cfg: DictConfig, group: str, choice: Any) -> DictConfig | None:
     """A bench method's own choice in a config group: None keeps the run's; a name loads that
-    option's file (``runtime: eager``, ``planner: goodput``, ``bandit: ucb1_tps``: the files the
+    option's file (``runtime: eager``, ``planner: goodput``, ``bandit: thompson``: the files the
     command line picks from); a mapping with ``_target_`` is the node itself, one without it is
     merged onto the run's node (``runtime: {resident_chunk: 4}``)."""
     if choice is None:

@@ -309,3 +309,41 @@ def test_discounted_rate_thompson_follows_a_switch_of_the_best_arm():
     assert np.mean([share_after_switch(s) for s in seeds]) < 0.3
     with pytest.raises(FlashSpecError, match="discount"):
         RateThompson(2, 0, discount=0.0)
+
+
+@pytest.mark.parametrize("cls", [UCB1, ThompsonSampling, RateThompson])
+def test_tps_policies_are_scale_free(cls):
+    """reward: tps runs on each arm's pooled rate and its standard error, in the reward's own
+    unit: the same config makes the same choices whether a step yields 60 tok/s (a 2-core CPU)
+    or 6,000 (a GPU), so no reward_scale has to be tuned per machine."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 5, size=(300, 3)).astype(float) + np.array([0.0, 0.6, 0.3])
+    seconds = np.array([0.030, 0.034, 0.031]) * rng.uniform(0.9, 1.1, size=(300, 3))
+    picks = []
+    for scale in (1.0, 100.0):
+        pol = cls(3, seed=5, reward="tps")
+        arms = []
+        for t in range(300):
+            a = pol.select()
+            pol.update(a, tokens[t, a] / (seconds[t, a] / scale), seconds[t, a] / scale)
+            arms.append(a)
+        picks.append(arms)
+    assert picks[0] == picks[1]
+    assert np.bincount(picks[0], minlength=3).argmax() == 1   # the most tokens per second
+
+
+@pytest.mark.parametrize("cls", [UCB1, ThompsonSampling, RateThompson])
+def test_tps_warm_start_moves_rate_and_evidence(cls):
+    """A prior's pseudo-steps count in the rate (the stored arm's tok/s) and in its evidence: the
+    warm policy plays the prior's best arm at once, where a cold one must first try every arm."""
+    pol = cls(3, seed=0, reward="tps")
+    pol.warm_start([50, 50, 50], [60.0, 80.0, 55.0], [0.03, 0.035, 0.03], weight=50)
+    assert pol.values == pytest.approx([60.0, 80.0, 55.0])
+    assert pol.select() == 1
+    cold = cls(3, seed=0, reward="tps")
+    first = []
+    for _ in range(6):
+        a = cold.select()
+        first.append(a)
+        cold.update(a, 70.0, 0.03)
+    assert sorted(set(first)) == [0, 1, 2]   # min_pulls: every arm twice before any index

@@ -42,7 +42,7 @@ def test_bench_smoke_every_method_equals_ar(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    methods = ["ar", "chain_g4", "chain_g3", "tree", "tree_planner", "ar_resident"]
+    methods = ["ar", "chain_g4", "chain_g3", "tree", "tree_planner", "bandit", "ar_resident"]
     assert sorted(r["method"] for r in records) == sorted(methods)
     assert len({r["prompt_id"] for r in records}) == 1 and {r["turn"] for r in records} == {0}
     assert all(r["provenance"]["config"]["experiment"]["name"] == "bench" for r in records)
@@ -53,6 +53,10 @@ def test_bench_smoke_every_method_equals_ar(tmp_path):
         assert job[f"{m}/greedy_equal"] == 1.0, (m, job.get(f"{m}/greedy_equal"))
         assert {f"{m}/speedup", f"{m}/speedup_pooled", f"{m}/tps"} <= set(job), m
     assert job["chain_g4/tau"] > 1 and job["tree/tau"] > 1
+    best = max(("chain_g3", "chain_g4", "tree"), key=lambda m: job[f"{m}/tps"])   # bandit's arms
+    assert job["bandit/best_fixed"] == best
+    assert job["bandit/vs_best_fixed"] == pytest.approx(job["bandit/tps"] / job[f"{best}/tps"])
+    assert "tree_planner/vs_best_fixed" not in job   # one arm: nothing to compare with
 
 
 def test_a_methods_own_choices_reach_its_engine():

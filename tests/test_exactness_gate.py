@@ -93,19 +93,23 @@ def test_gate_passes_realistic_vocab() -> None:
 
 
 @pytest.mark.parametrize("policy", ["ucb1", "thompson", "switch_on_reject", "ucb1_warm",
-                                    "thompson_warm"])
+                                    "thompson_warm", "ucb1_tps_warm", "thompson_tps"])
 def test_gate_passes_with_bandit_chosen_drafters(policy: str) -> None:
     """Each row's own chooser picks (q table, γ) every step from its past acceptance only:
     flashspec.bandits policies (one replicate per row) and a strongly history-dependent rule.
     ``*_warm``: the policy started from priors (``Policy.warm_start``, what a decode job reads
     from the priors store) that rate the weakest-overlap drafter above the best one: it is
-    played more, and the output is still the target's."""
+    played more, and the output is still the target's. ``*_tps``: the policy on its tokens-
+    per-cost rate (the decode configs' default reward)."""
     case = Case(1.0, arms=BANDIT_ARMS)
     name = policy.removesuffix("_warm")
+    reward = "tps" if name.endswith("_tps") else "alpha"
+    name = name.removesuffix("_tps")
     chooser = (SwitchOnRejectChooser(len(BANDIT_ARMS), case.n_rows) if name == "switch_on_reject"
-               else PolicyChooser(name, len(BANDIT_ARMS), case.n_rows, seed=7))
+               else PolicyChooser(name, len(BANDIT_ARMS), case.n_rows, seed=7, reward=reward))
     if policy.endswith("_warm"):
-        chooser.policy.warm_start([20, 20, 0], [0.3, 0.9, 0.0], weight=20)
+        scale = 2.0 if reward == "tps" else 1.0   # tokens per cost unit in [0, 4]
+        chooser.policy.warm_start([20, 20, 0], [0.3 * scale, 0.9 * scale, 0.0], weight=20)
     result, run = run_case(case, backend("torch"), chooser=chooser)
     _report(f"chooser={policy} {case.name()} arm_steps={run.arm_steps}", result, run)
     played = [run.arm_steps.get(a, 0) for a in range(3)]

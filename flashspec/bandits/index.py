@@ -6,6 +6,7 @@ from typing import Sequence
 import numpy as np
 
 from flashspec.bandits.base import Context, Policy
+from flashspec.bandits.rate import RateStats
 from flashspec.errors import FlashSpecError
 
 
@@ -46,21 +47,46 @@ class EpsilonGreedy(Policy):
 
 
 class UCB1(Policy):
-    """UCB1 (Auer, Cesa-Bianchi & Fischer 2002): mean + c·sqrt(2 ln t / n); unplayed arms first."""
+    """UCB1 (Auer, Cesa-Bianchi & Fischer 2002): mean + c·sqrt(2 ln t / n); unplayed arms first.
+
+    With ``reward: tps`` the index runs on the arm's pooled tokens per second
+    (:class:`~flashspec.bandits.rate.RateStats`): R̂ + c·sqrt(2 ln t)·sd(R̂). The rate's standard
+    error σ/(c̄·√n) stands where UCB1 has reward_scale/√n, so the bonus is in the reward's own
+    unit and the same config explores alike on a CPU and on a GPU; each arm plays ``min_pulls``
+    times first (a variance needs two steps).
+    """
 
     name = "ucb1"
     takes_priors = True
 
-    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, c: float = 1.0, **kw: float) -> None:
+    def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, c: float = 1.0,
+                 min_pulls: int = 2, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
-        if not c >= 0:
-            raise FlashSpecError(f"bandit=ucb1: c={c} must be >= 0")
-        self.c = float(c)
+        if not c >= 0 or int(min_pulls) < 1:
+            raise FlashSpecError(f"bandit=ucb1: c={c} must be >= 0 and min_pulls={min_pulls} >= 1")
+        self.c, self.min_pulls = float(c), int(min_pulls)
+        self.rates = RateStats((self.n_envs, self.n_arms)) if self.reward_kind == "tps" else None
+
+    def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
+        if self.rates is not None:
+            self.rates.observe(r, c)
+        super()._observe(r, c, pulled, context)
+
+    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        if self.rates is not None:
+            self.rates.seed(n, mean, cost)
+        super()._seed_prior(n, mean, cost)
+
+    def _estimates(self) -> np.ndarray:
+        return super()._estimates() if self.rates is None else self.rates.rate()
 
     def _scores(self, context: Context) -> np.ndarray:
         # t counts plays: a warm start's pseudo-pulls are plays the bonus has already paid for
         t = max(self.t + self._prior_pulls, 1)
-        return _ucb(self._estimates(), self._counts, t, self.c * self.reward_scale)
+        if self.rates is None:
+            return _ucb(self._estimates(), self._counts, t, self.c * self.reward_scale)
+        index = self.rates.rate() + self.c * np.sqrt(2.0 * np.log(t)) * self.rates.sd()
+        return np.where(self._counts < self.min_pulls, np.inf, index)
 
 
 class SlidingWindowUCB(Policy):

@@ -1,9 +1,12 @@
-"""Thompson sampling on an arm's reward *rate*: Σ r·c / Σ c, reward per unit of cost.
+"""Estimates of an arm's reward *rate*, Σ r·c / Σ c: reward per unit of cost.
 
 With ``reward: tps`` (r = tokens / step seconds) and cost = the step's seconds, the rate is the
 arm's pooled tokens per second, total tokens / total time: what a throughput run measures.
-The mean of per-step tok/s (what the other policies estimate) is a different, biased target:
-a cheap step with a lucky acceptance counts as much as an expensive one.
+The mean of per-step tok/s is a different, biased target: a cheap step with a lucky acceptance
+counts as much as an expensive one. :class:`RateStats` holds the estimate and its standard
+error in the reward's own unit, so a policy on it needs no ``reward_scale`` (the same policy
+runs on a 2-core CPU at 60 tok/s and on an H200 at 2,000); UCB1 and Thompson sampling use it
+for ``reward: tps``, :class:`RateThompson` for any reward.
 """
 from __future__ import annotations
 
@@ -15,16 +18,71 @@ from flashspec.bandits.base import Context, Policy
 from flashspec.errors import FlashSpecError
 
 
-class RateThompson(Policy):
-    """Gaussian Thompson sampling on the ratio estimate R = X / C (X = Σ r·c, C = Σ c).
+class RateStats:
+    """Per replicate and arm: the ratio estimate R = X / C (X = Σ r·c, C = Σ c) and its standard
+    error by the delta method, n · σ² / C², where σ² is the arm's residual variance
+    Σ (x_i − R̂ c_i)² / (n − 1) over observed steps, shrunk towards the variance pooled over all
+    arms with ``prior_weight`` pseudo-steps (two steps that happened to agree must not lock an
+    arm out for good).
 
-    The posterior of R is the ratio estimator's normal approximation (the delta method): mean
-    R̂, variance n · σ² / C², where σ² is the arm's residual variance Σ (x_i − R̂ c_i)² / (n − 1)
-    shrunk towards the variance pooled over all arms with ``prior_weight`` pseudo-steps. The
-    shrinkage keeps an arm whose first steps happened to agree (two zero rewards: σ² = 0)
-    from being locked out for good. Each step plays the arm with the largest draw
-    R̂ + explore · sd · N(0, 1); an arm seen fewer than ``min_pulls`` times plays first.
-    Rewards are not squashed to [0, 1], so ``reward_scale`` does not matter here.
+    Priors (:meth:`seed`) add pseudo-steps to the estimate and to n but not to the residuals: a
+    stored mean says where the rate is and how much evidence backs it, the variance is learned
+    from this run's steps. ``discount`` < 1 fades every sum by that factor per update (a memory
+    of about 1 / (1 − discount) steps)."""
+
+    def __init__(self, shape: tuple[int, int], prior_weight: float = 1.0,
+                 discount: float = 1.0) -> None:
+        self.prior_weight, self.discount = float(prior_weight), float(discount)
+        self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc = (
+            np.zeros(shape) for _ in range(7))
+
+    def observe(self, r: np.ndarray, c: np.ndarray) -> None:
+        """One round: ``r`` rewards and ``c`` costs, NaN where an arm was not observed."""
+        if self.discount < 1.0:
+            for sums in (self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc):
+                sums *= self.discount
+        seen = ~np.isnan(r)
+        x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
+        cost = np.where(seen, np.nan_to_num(c), 0.0)
+        self.n += seen
+        self.seen += seen
+        self.x += x
+        self.c += cost
+        self.xx += x * x
+        self.xc += x * cost
+        self.cc += cost * cost
+
+    def seed(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        """``n[k]`` pseudo-steps of reward ``mean[k]`` at cost ``cost[k]``."""
+        self.n += n
+        self.x += n * mean * cost
+        self.c += n * cost
+
+    def rate(self) -> np.ndarray:
+        return np.divide(self.x, self.c, out=np.zeros_like(self.x), where=self.c > 0)
+
+    def sd(self) -> np.ndarray:
+        """Standard error of the rate (0 where fewer than two steps back it)."""
+        rate = self.rate()
+        resid = np.maximum(self.xx - 2.0 * rate * self.xc + rate * rate * self.cc, 0.0)
+        dof = np.maximum(self.seen - 1.0, 0.0)
+        pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
+        sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
+        var = np.divide(self.n * sigma2, self.c ** 2, out=np.zeros_like(resid),
+                        where=(self.n > 1) & (self.c > 0))
+        return np.sqrt(var)
+
+    def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
+        """One Thompson draw per replicate and arm: R̂ + explore · sd · N(0, 1)."""
+        z = np.stack([g.standard_normal(self.n.shape[1]) for g in rngs])
+        return self.rate() + explore * self.sd() * z
+
+
+class RateThompson(Policy):
+    """Gaussian Thompson sampling on the ratio estimate R = X / C of :class:`RateStats`: each
+    step plays the arm with the largest draw R̂ + explore · sd · N(0, 1); an arm seen fewer than
+    ``min_pulls`` times plays first. Rewards are not squashed to [0, 1], so ``reward_scale``
+    does not matter here.
 
     ``discount`` < 1 makes it a policy for streams whose best arm changes (a prompt stream that
     moves between code, chat and editing): before each update every arm's sums and counts are
@@ -33,6 +91,7 @@ class RateThompson(Policy):
     """
 
     name = "rate_thompson"
+    takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, explore: float = 1.0,
                  min_pulls: int = 2, prior_weight: float = 1.0, discount: float = 1.0,
@@ -48,40 +107,22 @@ class RateThompson(Policy):
         if self.discount < 1.0:
             self.name = "d_rate_thompson"
         self.explore, self.min_pulls = float(explore), int(min_pulls)
-        self.prior_weight = float(prior_weight)
-        shape = (self.n_envs, self.n_arms)
-        self._x, self._xx, self._xc, self._cc = (np.zeros(shape) for _ in range(4))
+        self.rates = RateStats((self.n_envs, self.n_arms), prior_weight, self.discount)
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
         if self.discount < 1.0:
-            for sums in (self._x, self._xx, self._xc, self._cc, self._counts, self._sums,
-                         self._cost_sums):
+            for sums in (self._counts, self._sums, self._cost_sums):
                 sums *= self.discount
-        seen = ~np.isnan(r)
-        x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
-        cost = np.where(seen, np.nan_to_num(c), 0.0)
-        self._x += x
-        self._xx += x * x
-        self._xc += x * cost
-        self._cc += cost * cost
+        self.rates.observe(r, c)
         super()._observe(r, c, pulled, context)
 
-    def _estimates(self) -> np.ndarray:
-        return np.divide(self._x, self._cost_sums, out=np.zeros_like(self._x),
-                         where=self._cost_sums > 0)
+    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        self.rates.seed(n, mean, cost)
+        super()._seed_prior(n, mean, cost)
 
-    def _sd(self) -> np.ndarray:
-        """Standard error of the ratio estimate (0 where fewer than two observations)."""
-        rate, n = self._estimates(), self._counts
-        resid = np.maximum(self._xx - 2.0 * rate * self._xc + rate * rate * self._cc, 0.0)
-        dof = np.maximum(n - 1.0, 0.0)
-        pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
-        sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
-        var = np.divide(n * sigma2, self._cost_sums ** 2, out=np.zeros_like(resid),
-                        where=(n > 1) & (self._cost_sums > 0))
-        return np.sqrt(var)
+    def _estimates(self) -> np.ndarray:
+        return self.rates.rate()
 
     def _scores(self, context: Context) -> np.ndarray:
-        z = np.stack([g.standard_normal(self.n_arms) for g in self.rngs])
-        draw = self._estimates() + self.explore * self._sd() * z
+        draw = self.rates.draw(self.rngs, self.explore)
         return np.where(self._counts < self.min_pulls, np.inf, draw)

@@ -1,7 +1,10 @@
 """Thompson sampling with Beta posteriors, stationary and discounted (non-stationary).
 
 A fractional reward r ∈ [0, 1] (e.g. an acceptance rate) is turned into one Bernoulli(r)
-trial before the Beta update (Agrawal & Goyal 2012), so the posterior stays Beta.
+trial before the Beta update (Agrawal & Goyal 2012), so the posterior stays Beta. A reward in
+tokens per second (``reward: tps``) has no natural [0, 1] scale: there the posterior is the
+Gaussian one of the arm's pooled rate (:class:`~flashspec.bandits.rate.RateStats`), in the
+reward's own unit.
 """
 from __future__ import annotations
 
@@ -10,26 +13,33 @@ from typing import Sequence
 import numpy as np
 
 from flashspec.bandits.base import Context, Policy
+from flashspec.bandits.rate import RateStats
 from flashspec.errors import FlashSpecError
 
 
 class ThompsonSampling(Policy):
-    """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw."""
+    """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw.
+    With ``reward: tps``: a draw from each arm's Gaussian rate posterior, every arm played
+    ``min_pulls`` times first."""
 
     name = "thompson"
     takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, prior_alpha: float = 1.0,
-                 prior_beta: float = 1.0, **kw: float) -> None:
+                 prior_beta: float = 1.0, min_pulls: int = 2, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
-        if not (prior_alpha > 0 and prior_beta > 0):
+        if not (prior_alpha > 0 and prior_beta > 0) or int(min_pulls) < 1:
             raise FlashSpecError(f"bandit={self.name}: prior_alpha={prior_alpha} and "
-                                 f"prior_beta={prior_beta} must be > 0")
+                                 f"prior_beta={prior_beta} must be > 0, min_pulls={min_pulls} >= 1")
         self.prior_alpha, self.prior_beta = float(prior_alpha), float(prior_beta)
+        self.min_pulls = int(min_pulls)
         self._succ = np.zeros((self.n_envs, self.n_arms))
         self._fail = np.zeros((self.n_envs, self.n_arms))
+        self.rates = RateStats((self.n_envs, self.n_arms)) if self.reward_kind == "tps" else None
 
     def _scores(self, context: Context) -> np.ndarray:
+        if self.rates is not None:
+            return np.where(self._counts < self.min_pulls, np.inf, self.rates.draw(self.rngs))
         a = self.prior_alpha + self._succ
         b = self.prior_beta + self._fail
         return np.stack([g.beta(a[i], b[i]) for i, g in enumerate(self.rngs)])
@@ -42,17 +52,26 @@ class ThompsonSampling(Policy):
         return win.astype(float), (seen & ~win).astype(float)
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
-        win, lose = self._trials(r)
-        self._succ += win
-        self._fail += lose
+        if self.rates is not None:
+            self.rates.observe(r, c)
+        else:
+            win, lose = self._trials(r)
+            self._succ += win
+            self._fail += lose
         super()._observe(r, c, pulled, context)
+
+    def _estimates(self) -> np.ndarray:
+        return super()._estimates() if self.rates is None else self.rates.rate()
 
     def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
         """n pseudo-trials at the prior's success rate: the Beta posterior a run with n steps
         of mean reward ``mean`` leaves on average (fractional counts, no Bernoulli draws)."""
-        rate = self.unit(mean)
-        self._succ += n * rate
-        self._fail += n * (1.0 - rate)
+        if self.rates is not None:
+            self.rates.seed(n, mean, cost)
+        else:
+            rate = self.unit(mean)
+            self._succ += n * rate
+            self._fail += n * (1.0 - rate)
         super()._seed_prior(n, mean, cost)
 
     @property
@@ -79,6 +98,8 @@ class DiscountedThompson(ThompsonSampling):
         if not 0.0 < discount <= 1.0:
             raise FlashSpecError(f"bandit=d_thompson: discount={discount} must lie in (0, 1]")
         self.discount = float(discount)
+        if self.rates is not None:
+            self.rates.discount = self.discount
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
         self._succ *= self.discount
@@ -86,4 +107,5 @@ class DiscountedThompson(ThompsonSampling):
         super()._observe(r, c, pulled, context)
 
     def _estimates(self) -> np.ndarray:
-        return self.reward_scale * self._posterior_mean()
+        return self.reward_scale * self._posterior_mean() if self.rates is None else \
+            self.rates.rate()

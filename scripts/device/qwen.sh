@@ -44,7 +44,7 @@ export PYTHONPATH=/tmp/site:$PYTHONPATH HYDRA_FULL_ERROR=1
 S=${S:?set S to a prompt draw no committed record used}
 R=/tmp/qwen_runs; mkdir -p $R
 BASE="python3 run.py hardware=h200 target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
-DEC="$BASE drafters=qwen_coder experiment.references=[each_arm] bandit=ucb1_tps"
+DEC="$BASE drafters=qwen_coder experiment.references=[each_arm] bandit=ucb1"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
 stage() {
   case $1 in

@@ -17,21 +17,24 @@ POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (UCB1, ThompsonSam
 
 class PolicyChooser:
     """Policy ``name`` (``POLICIES[name](K, seed=[...])``) with one replicate per row; reward
-    α = accepted/γ.
+    α = accepted/γ, or with ``reward="tps"`` tokens per unit of a step cost that grows with γ
+    ((accepted + 1) / (1 + γ/4), the cost fed back beside it: the rate policies' input).
 
     Rewards of a step are collected per arm group and fed back (``update_many``) before the
     next selection; rows that finished get NaN (unobserved).
     """
 
-    def __init__(self, name: str, n_arms: int, n_rows: int, seed: int = 0) -> None:
-        self.policy = POLICIES[name](n_arms, seed=list(range(seed, seed + n_rows)))
+    def __init__(self, name: str, n_arms: int, n_rows: int, seed: int = 0,
+                 reward: str = "alpha") -> None:
+        self.policy = POLICIES[name](n_arms, seed=list(range(seed, seed + n_rows)), reward=reward)
         self.pending_arms = np.zeros(n_rows, dtype=np.int64)
         self.pending = np.full(n_rows, np.nan)
+        self.costs = np.ones(n_rows)
         self.history: list[np.ndarray] = []
 
     def select(self, rows: torch.Tensor) -> torch.Tensor:
         if not np.isnan(self.pending).all():
-            self.policy.update_many(self.pending_arms, self.pending)
+            self.policy.update_many(self.pending_arms, self.pending, self.costs)
         self.pending[:] = np.nan
         arms = self.policy.select_many()
         self.history.append(arms[rows.numpy()])
@@ -40,7 +43,11 @@ class PolicyChooser:
     def update(self, rows: torch.Tensor, arm: int, n_accepted: torch.Tensor, gamma: int) -> None:
         r = rows.numpy()
         self.pending_arms[r] = arm
-        self.pending[r] = n_accepted.numpy() / gamma
+        if self.policy.reward_kind == "tps":
+            self.costs[r] = 1.0 + gamma / 4
+            self.pending[r] = (n_accepted.numpy() + 1) / self.costs[r]
+        else:
+            self.pending[r] = n_accepted.numpy() / gamma
 
 
 class PeekingDrafter:
