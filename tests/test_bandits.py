@@ -195,7 +195,7 @@ def test_every_bandit_config_builds(path):
     extra = {"means": [0.1, 0.2, 0.3]} if make.func is Oracle else {}
     pol = make(3, 0, **extra)
     assert isinstance(pol, Policy)
-    # a choice is a policy (its file stem) or a named preset of one, e.g. ucb1_tps, ngram_hit_tps
+    # a choice is a policy (its file stem) or a named preset of one, e.g. contextual_tps, ngram_hit_tps
     assert pol.name == path.stem or (path.stem.endswith("_" + cfg.reward) and cfg.reward != "alpha")
     assert cfg.full_info is False
     assert pol.reward_kind == cfg.reward and pol.full_info is False
