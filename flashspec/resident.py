@@ -46,7 +46,7 @@ from typing import Sequence
 import torch
 
 from flashspec.core import Arm, SamplingParams, TreeDraft, TreeShape
-from flashspec.drafters.base import Drafter
+from flashspec.drafters.base import Drafter, does
 from flashspec.errors import FlashSpecError
 from flashspec.graphs import GraphCache, Prefill, bucketed, capture as capture_graph
 from flashspec.models.llama import KVCache, LlamaLM
@@ -169,10 +169,13 @@ class ResidentLoop:
         # per drafter: its start on the prompts, keyed (batch, window bucket, buffers), and its
         # catch-up windows, keyed (batch, width, buffers); one memory pool each
         pool = lambda: torch.cuda.graph_pool_handle() if self.capture else None
+        # (only drafters with work there: prompt lookup has no start or catch-up)
         self.starts = {d.name: GraphCache(lambda k, t, n, h, d=d: d.start(t, n, h),
-                                          self.capture, pool()) for d in self.drafters}
+                                          self.capture, pool())
+                       for d in self.drafters if does(d, "start")}
         self.catch_ups = {d.name: GraphCache(lambda k, t, n, d=d: d.catch_up(t, n, k[1]),
-                                             self.capture, pool()) for d in self.drafters}
+                                             self.capture, pool())
+                          for d in self.drafters if does(d, "catch_up")}
         self._steps_s = 0.0
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
@@ -222,7 +225,7 @@ class ResidentLoop:
         batch shape and these drafter buffers is not run again."""
         s, top = self.state, self.state.dump
         s.lengths.fill_(top)
-        for name in drafters:
+        for name in (n for n in drafters if n in self.catch_ups):
             buffers = self.drafter_of[name].buffers()
             for width in catch_up_widths(top):
                 self.catch_ups[name].prepare((s.tokens.shape[0], width, buffers), s.tokens,
@@ -339,8 +342,9 @@ class ResidentLoop:
         if hidden is not None:
             padded[:, :longest - 1] = hidden
         for d in self.drafters:
-            self.starts[d.name]((batch, width, d.buffers()), s.tokens[:, :width], s.lengths,
-                                padded)
+            if d.name in self.starts:
+                self.starts[d.name]((batch, width, d.buffers()), s.tokens[:, :width], s.lengths,
+                                    padded)
         self.lag.reset()
         self._ahead = None
 
@@ -348,7 +352,7 @@ class ResidentLoop:
         """Before a drafter drafts: catch it up over the latest committed tokens its window
         (the last γ + 1) would miss (:class:`flashspec.stepper.Lag` keeps the count)."""
         width = self.lag.width(arm, self.state.dump)
-        if width is not None:
+        if width is not None and arm.drafter in self.catch_ups:
             s = self.state
             self.catch_ups[arm.drafter]((s.tokens.shape[0], width,
                                          self.drafter_of[arm.drafter].buffers()),

@@ -87,6 +87,23 @@ def run(model, prompts, arms, eos, drafters=(), **kw):
         prompts, NEW, seed=11).rows
 
 
+def test_captured_stepper_skips_hooks_a_drafter_does_not_have(small, drafters, eos):
+    """Prompt lookup has no start and no catch-up: the captured stepper keeps no graph cache
+    for them (on a GPU a graph of nothing is an empty capture), and runs it beside drafters that
+    have both, greedy output still the AR's."""
+    from flashspec.drafters.base import does
+    assert not does(drafters["ngram"], "start") and not does(drafters["ngram"], "catch_up")
+    assert does(drafters["eagle"], "start") and does(drafters["eagle"], "catch_up")
+    model, prompts = small
+    arms = [Arm("ngram", 3), Arm("eagle", 3)]
+    engine = SpecEngine(model, arms, eos_ids=eos, drafters=list(drafters.values()),
+                        policy=Cycle(len(arms), 2), resident=True, chunk=2)
+    rows = engine.generate(prompts, NEW, seed=11).rows
+    assert set(engine.stepper.starts) == set(engine.stepper.catch_ups) == {"eagle"}
+    ar = run(model, prompts, [Arm()], eos)
+    assert [r.tokens for r in rows] == [r.tokens for r in ar]
+
+
 @pytest.mark.parametrize("name,gamma", [("ngram", 4), ("skip", 3), ("eagle", 3), ("eagle", 1)])
 def test_resident_equals_reference_loop(small, drafters, eos, name, gamma):
     """Same tokens (EOS inside accepted runs, ragged prompts, budget clipping), steps,

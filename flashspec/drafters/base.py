@@ -98,6 +98,13 @@ class Drafter(ABC):
         return ()
 
 
+def does(drafter: Drafter, hook: str) -> bool:
+    """Whether ``drafter`` has work in an optional hook (``start``, ``catch_up``, ``absorb``):
+    its class overrides the base's no-op. A stepper that captures hooks in CUDA graphs skips the
+    no-ops (a graph of nothing is an empty capture, which torch warns about)."""
+    return getattr(type(drafter), hook) is not getattr(Drafter, hook)
+
+
 @runtime_checkable
 class HostFacts(Protocol):
     """Optional: cheap facts about the next step that a context-conditioned policy may read
