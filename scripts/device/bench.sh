@@ -14,7 +14,11 @@
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
 # CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
 # Each job's job_metrics.json holds <method>/{speedup_pooled,speedup,greedy_equal,alpha,tau}
-# against `ar`, the resident AR; everything lands in $OUT.
+# against `ar`, the resident AR (and bandit/vs_best_fixed: the Thompson method over the arms it
+# picks from, against the best of them alone); everything lands in $OUT. Two more cells need no
+# model: kernels (experiment=kernel_bench: fused Triton verify against the PyTorch reference)
+# and heads (experiment=head_bench with CUDA-graph timing: ν per (d, V), Qwen's 1536 x 151,936
+# included).
 set -o pipefail
 if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
 OUT=${OUT:-outputs/bench_gpu}
@@ -31,7 +35,10 @@ one() {
     profile) python3 run.py $ARGS hardware=h100 runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_h100 &&
              python3 scripts/greedy_check.py $OUT/profile_h100/records.jsonl \
                --against "$(ls -d $OUT/greedy/0_*)/records.jsonl" ;;   # job 0: humaneval
-    *) echo "unknown cell $1 (greedy | t1 | b32 | profile)" >&2; return 2 ;;
+    kernels) python3 run.py experiment=kernel_bench hardware=h200 logger=disabled hydra.run.dir=$OUT/kernel_bench ;;
+    heads)  python3 run.py experiment=head_bench hardware=h200 logger=disabled experiment.cuda_graphs=true \
+              hydra.run.dir=$OUT/head_bench ;;
+    *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads)" >&2; return 2 ;;
   esac
 }
 for cell in ${@:-greedy t1 b32 profile}; do
