@@ -5,8 +5,8 @@ arm's pooled tokens per second, total tokens / total time: what a throughput run
 The mean of per-step tok/s is a different, biased target: a cheap step with a lucky acceptance
 counts as much as an expensive one. :class:`RateStats` holds the estimate and its standard
 error in the reward's own unit, so a policy on it needs no ``reward_scale`` (the same policy
-runs on a 2-core CPU at 60 tok/s and on an H200 at 2,000); UCB1 and Thompson sampling use it
-for ``reward: tps``, :class:`RateThompson` for any reward.
+fits a slow CPU and a fast GPU); UCB1 and Thompson sampling use it for ``reward: tps``,
+:class:`RateThompson` for any reward.
 """
 from __future__ import annotations
 
