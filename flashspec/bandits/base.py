@@ -114,6 +114,9 @@ class Policy:
         self._cost_sums = np.zeros(shape)
         self._prior_pulls = 0.0   # pseudo-pulls warm_start added (UCB1 counts them in its t)
         self.arm_specs: list[Arm] | None = None   # what each arm is, once bound
+        # a policy that estimates each arm's reward rate (flashspec.bandits.rate.RateStats) sets
+        # it; feedback, priors and the estimates then go through it here
+        self.rates = None
 
     @property
     def context_keys(self) -> tuple[str, ...]:
@@ -168,6 +171,8 @@ class Policy:
 
     def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
         """Adds ``n[k]`` pseudo-observations of mean ``mean[k]`` to every replicate's state."""
+        if self.rates is not None:
+            self.rates.seed(n, mean, cost)
         self._counts += n
         self._sums += n * mean
         self._cost_sums += n * cost
@@ -252,6 +257,8 @@ class Policy:
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
         """Fold one round of feedback in (NaN = not observed); ``pulled`` is None for full info."""
+        if self.rates is not None:
+            self.rates.observe(r, c)
         seen = ~np.isnan(r)
         self.t += 1
         self._counts += seen
@@ -259,7 +266,7 @@ class Policy:
         self._cost_sums += np.where(seen, c, 0.0)
 
     def _estimates(self) -> np.ndarray:
-        return _safe_div(self._sums, self._counts)
+        return _safe_div(self._sums, self._counts) if self.rates is None else self.rates.rate()
 
     # ---------------------------------------------------------------- helpers
     def unit(self, r: np.ndarray) -> np.ndarray:

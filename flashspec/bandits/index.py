@@ -65,20 +65,8 @@ class UCB1(Policy):
         if not c >= 0 or int(min_pulls) < 1:
             raise FlashSpecError(f"bandit=ucb1: c={c} must be >= 0 and min_pulls={min_pulls} >= 1")
         self.c, self.min_pulls = float(c), int(min_pulls)
-        self.rates = RateStats((self.n_envs, self.n_arms)) if self.reward_kind == "tps" else None
-
-    def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
-        if self.rates is not None:
-            self.rates.observe(r, c)
-        super()._observe(r, c, pulled, context)
-
-    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
-        if self.rates is not None:
-            self.rates.seed(n, mean, cost)
-        super()._seed_prior(n, mean, cost)
-
-    def _estimates(self) -> np.ndarray:
-        return super()._estimates() if self.rates is None else self.rates.rate()
+        if self.reward_kind == "tps":
+            self.rates = RateStats((self.n_envs, self.n_arms))
 
     def _scores(self, context: Context) -> np.ndarray:
         # t counts plays: a warm start's pseudo-pulls are plays the bonus has already paid for

@@ -110,18 +110,10 @@ class RateThompson(Policy):
         self.rates = RateStats((self.n_envs, self.n_arms), prior_weight, self.discount)
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
-        if self.discount < 1.0:
+        if self.discount < 1.0:   # the counts behind min_pulls fade too (RateStats fades its own)
             for sums in (self._counts, self._sums, self._cost_sums):
                 sums *= self.discount
-        self.rates.observe(r, c)
         super()._observe(r, c, pulled, context)
-
-    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
-        self.rates.seed(n, mean, cost)
-        super()._seed_prior(n, mean, cost)
-
-    def _estimates(self) -> np.ndarray:
-        return self.rates.rate()
 
     def _scores(self, context: Context) -> np.ndarray:
         draw = self.rates.draw(self.rngs, self.explore)

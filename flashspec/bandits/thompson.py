@@ -35,7 +35,8 @@ class ThompsonSampling(Policy):
         self.min_pulls = int(min_pulls)
         self._succ = np.zeros((self.n_envs, self.n_arms))
         self._fail = np.zeros((self.n_envs, self.n_arms))
-        self.rates = RateStats((self.n_envs, self.n_arms)) if self.reward_kind == "tps" else None
+        if self.reward_kind == "tps":
+            self.rates = RateStats((self.n_envs, self.n_arms))
 
     def _scores(self, context: Context) -> np.ndarray:
         if self.rates is not None:
@@ -52,23 +53,16 @@ class ThompsonSampling(Policy):
         return win.astype(float), (seen & ~win).astype(float)
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
-        if self.rates is not None:
-            self.rates.observe(r, c)
-        else:
+        if self.rates is None:   # a rate posterior is fed by the base class
             win, lose = self._trials(r)
             self._succ += win
             self._fail += lose
         super()._observe(r, c, pulled, context)
 
-    def _estimates(self) -> np.ndarray:
-        return super()._estimates() if self.rates is None else self.rates.rate()
-
     def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
         """n pseudo-trials at the prior's success rate: the Beta posterior a run with n steps
         of mean reward ``mean`` leaves on average (fractional counts, no Bernoulli draws)."""
-        if self.rates is not None:
-            self.rates.seed(n, mean, cost)
-        else:
+        if self.rates is None:   # a rate posterior is seeded by the base class
             rate = self.unit(mean)
             self._succ += n * rate
             self._fail += n * (1.0 - rate)
@@ -108,4 +102,4 @@ class DiscountedThompson(ThompsonSampling):
 
     def _estimates(self) -> np.ndarray:
         return self.reward_scale * self._posterior_mean() if self.rates is None else \
-            self.rates.rate()
+            super()._estimates()
