@@ -26,7 +26,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from flashspec.core import Arm, SamplingParams
-from flashspec.drafters.base import Drafter
+from flashspec.drafters.base import Drafter, does
 from flashspec.models.llama import KVCache, LlamaLM
 from flashspec.tree import compact_path, tree_attention
 from flashspec.verify.api import Backend
@@ -168,9 +168,12 @@ class ReferenceStepper:
                                              positions[:, :width - 1], self.cache, span=width - 1)
                   if width > 1 else torch.zeros(batch, 0, self.target.shape.hidden_size,
                                                 dtype=self.target.dtype, device=dev))
-        lengths = torch.tensor(self.lengths, device=dev)
-        for drafter in self.drafters:
-            drafter.start(self.buffer[:, :width], lengths, hidden)
+        # A drafter starts on the prompts when an arm of it first drafts (launch): a policy that
+        # never plays an arm on a batch does not pay that drafter's prefill. Until then it falls
+        # behind like any drafter that does not draft, and the catch-up covers the steps since.
+        self.unstarted = {d.name: (self.buffer[:, :width].clone(),
+                                   torch.tensor(self.lengths, device=dev), hidden)
+                          for d in self.drafters if does(d, "start")}
         self.lag.reset()
 
     @property
@@ -183,6 +186,8 @@ class ReferenceStepper:
 
     # ------------------------------------------------------------------ steps
     def launch(self, arm: Arm, n_steps: int) -> None:
+        if arm.drafts and arm.drafter in self.unstarted:
+            self.drafter_of[arm.drafter].start(*self.unstarted.pop(arm.drafter))
         width = self.lag.width(arm, self.buffer.shape[1] - 1)
         if width is not None:
             self.drafter_of[arm.drafter].catch_up(self.buffer, self._lengths(), width)

@@ -260,3 +260,42 @@ def test_greedy_equality_with_an_ngram_hit_contextual_bandit(smol, prompts, refe
     rows = [engine.generate([p], N_NEW).rows[0] for p in prompts]
     assert [r.tokens for r in rows] == reference
     assert set(policy.policies) >= {True, False}
+
+
+class _SwitchAt(Policy):
+    """Plays arm 0 for the first ``at`` steps of each batch, then arm 1 (no learning)."""
+
+    name = "switch_at"
+    learns = False
+
+    def __init__(self, n_arms, seed=0, at=4, **kw):
+        super().__init__(n_arms, seed, **kw)
+        self.at, self.calls = at, 0
+
+    def select_many(self, context=None):
+        self.calls += 1
+        return torch.full((self.n_envs,), int(self.calls > self.at)).numpy()
+
+
+@needs_ckpt
+@pytest.mark.parametrize("at", [0, 5, 10_000])
+def test_a_drafter_starts_on_the_prompt_when_first_played(smol, prompts, reference, drafter,
+                                                          monkeypatch, at):
+    """The reference stepper starts a drafter on the prompts when one of its arms first drafts:
+    never played on a batch (at = 10,000), it is never started (no prefill of it to pay);
+    played from the first step or late (caught up over the steps prompt lookup committed), it
+    is started once per batch, and greedy output equals the target's."""
+    model, tok = smol
+    starts = []
+    start = EagleDrafter.start
+    monkeypatch.setattr(EagleDrafter, "start",
+                        lambda self, *a: (starts.append(self.name), start(self, *a))[1])
+    rows = []
+    for p in prompts:
+        engine = SpecEngine(model, [Arm("ngram", 3), Arm("eagle", 3)], _SwitchAt(2, at=at),
+                            drafters=[NgramDrafter(), drafter], eos_ids=[tok.eos_token_id])
+        rows.append(engine.generate([p], N_NEW).rows[0])
+    assert [r.tokens for r in rows] == reference
+    assert len(starts) == (0 if at == 10_000 else len(prompts))
+    if at == 5:    # the late-started drafter drafts, and its drafts are accepted
+        assert sum(r.n_accepted for r in rows) > 0

@@ -96,9 +96,19 @@ def test_ngram_hit_feature_and_contextual_keys():
     def features(rows, finished=None):
         return NgramDrafter(3, 1).features([list(r) for r in rows], finished or [False] * len(rows))
 
+    def hit(rows, finished=None):
+        return features(rows, finished)["ngram_hit"]
+
+    def match(rows, finished=None):
+        return features(rows, finished)["ngram_match"]
+
     assert isinstance(NgramDrafter(), HostFacts)
-    assert features([[5, 6, 7, 5]]) == {"ngram_hit": True}    # 5 seen before: copy 6
-    assert features([[5, 6, 7, 8]]) == {"ngram_hit": False}
-    assert features([[5, 6, 7, 5], [1, 2]]) == {"ngram_hit": False}  # all live rows must hit
-    assert features([[5, 6, 7, 5], [1, 2]], [False, True]) == {"ngram_hit": True}  # live rows only
+    assert hit([[5, 6, 7, 5]]) and match([[5, 6, 7, 5]]) == 1    # 5 seen before: copy 6
+    assert not hit([[5, 6, 7, 8]]) and match([[5, 6, 7, 8]]) == 0
+    assert not hit([[5, 6, 7, 5], [1, 2]])                         # all live rows must hit
+    assert hit([[5, 6, 7, 5], [1, 2]], [False, True])              # live rows only
+    # the longest suffix with an earlier occurrence, capped at max_ngram, shortest over rows
+    assert match([[1, 2, 3, 4, 9, 2, 3]]) == 2
+    assert match([[1, 2, 3, 4, 9, 1, 2, 3, 4]]) == 3
+    assert match([[1, 2, 3, 4, 9, 1, 2, 3, 4], [7, 8, 7]]) == 1
     assert PerDomain(2, key="ngram_hit").context_keys == ("ngram_hit",)

@@ -121,6 +121,12 @@ class NgramIndex:
         self.seen = 0   # continuation starts registered so far: 1 .. seen - 1
 
     def query(self, tokens: list[int], gamma: int) -> list[int]:
+        _, c = self.match(tokens)
+        return [] if c is None else tokens[c:c + gamma]
+
+    def match(self, tokens: list[int]) -> tuple[int, int | None]:
+        """(n, c): the longest suffix n-gram (max_ngram down to min_ngram) with an earlier
+        occurrence, and where the continuation after its latest one starts; (0, None) if none."""
         for c in range(max(self.seen, 1), len(tokens)):   # register n-grams ending at c - 1
             for n in range(self.min_ngram, min(self.max_ngram, c) + 1):
                 self.where[tuple(tokens[c - n:c])] = c
@@ -129,8 +135,8 @@ class NgramIndex:
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             c = self.where.get(tuple(tokens[n_tok - n:]))
             if c is not None:
-                return tokens[c:c + gamma]
-        return []
+                return n, c
+        return 0, None
 
 
 class NgramDrafter(Drafter):
@@ -172,14 +178,18 @@ class NgramDrafter(Drafter):
 
     def features(self, tokens: Sequence[list[int]], finished: Sequence[bool]
                  ) -> dict[str, object]:
-        """``ngram_hit``: whether every live row's suffix has an earlier match to copy from."""
-        hits = [bool(self._lookup(b, toks, 1)) for b, (toks, done)
-                in enumerate(zip(tokens, finished)) if not done]
-        return {"ngram_hit": bool(hits) and all(hits)}
+        """``ngram_hit``: whether every live row's suffix has an earlier match to copy from;
+        ``ngram_match``: the shortest, over live rows, of the longest such suffix (0 to
+        max_ngram). A one-token match is common in any text; a match of max_ngram tokens
+        usually means the answer is copying a span, where prompt lookup drafts best."""
+        lengths = [self._match(b, toks) for b, (toks, done)
+                   in enumerate(zip(tokens, finished)) if not done]
+        return {"ngram_hit": bool(lengths) and min(lengths) > 0,
+                "ngram_match": min(lengths) if lengths else 0}
 
-    def _lookup(self, b: int, tokens: list[int], gamma: int) -> list[int]:
+    def _match(self, b: int, tokens: list[int]) -> int:
         owner, index = self.index.get(b, (None, None))
         if owner is not tokens or index.seen > len(tokens):   # a new row list: start over
             index = NgramIndex(self.max_ngram, self.min_ngram)
             self.index[b] = (tokens, index)
-        return index.query(tokens, gamma)
+        return index.match(tokens)[0]
