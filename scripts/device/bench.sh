@@ -18,7 +18,9 @@
 # picks from, against the best of them alone); everything lands in $OUT. Two more cells need no
 # model: kernels (experiment=kernel_bench: fused Triton verify against the PyTorch reference)
 # and heads (experiment=head_bench with CUDA-graph timing: ν per (d, V), Qwen's 1536 x 151,936
-# included).
+# included). trees: experiment=tree_tau (the 16-node trees against the 16-deep chain, τ and
+# tok/s, greedy and T = 1, both datasets). hf: HF `generate` eager and compiled (static cache)
+# beside our AR on the bench's prompts (the headline's HF row).
 set -o pipefail
 if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
 OUT=${OUT:-outputs/bench_gpu}
@@ -38,7 +40,12 @@ one() {
     kernels) python3 run.py experiment=kernel_bench hardware=h200 logger=disabled hydra.run.dir=$OUT/kernel_bench ;;
     heads)  python3 run.py experiment=head_bench hardware=h200 logger=disabled experiment.cuda_graphs=true \
               hydra.run.dir=$OUT/head_bench ;;
-    *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads)" >&2; return 2 ;;
+    trees)  python3 run.py -m experiment=tree_tau hardware=h200 logger=disabled target.source=$GGUF \
+              dataset.seed=$SEED dataset=humaneval,mtbench experiment.temperature=0,1 hydra.sweep.dir=$OUT/tree_tau ;;
+    hf)     python3 run.py -m experiment=decode hardware=h200 logger=disabled target.source=$GGUF \
+              dataset.seed=$SEED dataset=humaneval,mtbench dataset.n_prompts=24 +experiment.max_turns=1 \
+              'experiment.methods=[ar,hf_generate,hf_compiled]' 'experiment.references=[]' hydra.sweep.dir=$OUT/hf ;;
+    *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads | trees | hf)" >&2; return 2 ;;
   esac
 }
 for cell in ${@:-greedy t1 b32 profile}; do
