@@ -9,7 +9,8 @@
 #                                                  # is over a call's 64 MiB, so move
 #                                                  # checkpoints/ aside for these two calls)
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
-#                                                  # carry .whl and .cache/data
+#                                                  # carry .whl and .cache/data; on a lent H100
+#                                                  # add HW=h100 (the profile cell then checks a100)
 # Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
 # CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
@@ -28,21 +29,23 @@ SEED=${SEED:?set SEED to a prompt draw no committed record used}
 mkdir -p "$OUT"
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
 [ -f $GGUF ] || cat /dev/shm/part00 /dev/shm/part01 > $GGUF
-ARGS="experiment=bench hardware=h200 logger=disabled target.source=$GGUF dataset.seed=$SEED"
+HW=${HW:-h200}                      # the card lent: h200 | h100 (the resident loop on either)
+ALT=$([ "$HW" = h100 ] && echo a100 || echo h100)   # another CUDA profile for the profile cell
+ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED"
 one() {
   case $1 in
     greedy) python3 run.py -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
     t1)     python3 run.py -m $ARGS dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
     b32)    python3 run.py $ARGS dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
-    profile) python3 run.py $ARGS hardware=h100 runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_h100 &&
-             python3 scripts/greedy_check.py $OUT/profile_h100/records.jsonl \
+    profile) python3 run.py $ARGS hardware=$ALT runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_$ALT &&
+             python3 scripts/greedy_check.py $OUT/profile_$ALT/records.jsonl \
                --against "$(ls -d $OUT/greedy/0_*)/records.jsonl" ;;   # job 0: humaneval
-    kernels) python3 run.py experiment=kernel_bench hardware=h200 logger=disabled hydra.run.dir=$OUT/kernel_bench ;;
-    heads)  python3 run.py experiment=head_bench hardware=h200 logger=disabled experiment.cuda_graphs=true \
+    kernels) python3 run.py experiment=kernel_bench hardware=$HW logger=disabled hydra.run.dir=$OUT/kernel_bench ;;
+    heads)  python3 run.py experiment=head_bench hardware=$HW logger=disabled experiment.cuda_graphs=true \
               hydra.run.dir=$OUT/head_bench ;;
-    trees)  python3 run.py -m experiment=tree_tau hardware=h200 logger=disabled target.source=$GGUF \
+    trees)  python3 run.py -m experiment=tree_tau hardware=$HW logger=disabled target.source=$GGUF \
               dataset.seed=$SEED dataset=humaneval,mtbench experiment.temperature=0,1 hydra.sweep.dir=$OUT/tree_tau ;;
-    hf)     python3 run.py -m experiment=decode hardware=h200 logger=disabled target.source=$GGUF \
+    hf)     python3 run.py -m experiment=decode hardware=$HW logger=disabled target.source=$GGUF \
               dataset.seed=$SEED dataset=humaneval,mtbench dataset.n_prompts=24 +experiment.max_turns=1 \
               'experiment.methods=[ar,hf_generate,hf_compiled]' 'experiment.references=[]' hydra.sweep.dir=$OUT/hf ;;
     *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads | trees | hf)" >&2; return 2 ;;
