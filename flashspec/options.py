@@ -26,8 +26,9 @@ class KernelOptions:
     """Switches of the Triton verify kernels and the low-rank head kernel.
 
     fuse_topk_on_cuda: run top-k warps (k <= 256) through the fused verify on CUDA. Off: on
-        the GPU the fused top-k path disagreed with the reference on some rows (RESULTS.md,
-        fused top-k on CUDA), so top-k on CUDA falls back to the reference (exact by definition).
+        the GPU the fused top-k path disagreed with the reference on some rows (an H200 check:
+        gpu_checks/verify_topk on branch lab-notebook), so top-k on CUDA falls back to the
+        reference (exact by definition).
         The interpreter (CPU) always fuses top-k.
     fuse_merges: merge the per-chunk statistics in the last program of each row group (atomic
         counters) instead of a separate decide kernel; None lets the launch plan choose

@@ -3,13 +3,15 @@
 
     python scripts/plot_decode_runs.py RUN_DIR [RUN_DIR ...] -o tps.png
 
-Each RUN_DIR holds a decode ``records.jsonl`` (e.g. experiments/results/decode_gpu_fused/prefill_fused/he_b1);
-bars are grouped by run (labelled ``<dataset> B=<batch>``), one colour per method, log scale
-(HF eager and our graphed engine differ by more than 10x).
+Each RUN_DIR holds a decode ``records.jsonl`` or ``records.jsonl.gz`` (e.g.
+experiments/results/bench_h100_s9473/hf_he); bars are grouped by run (labelled
+``<dataset> B=<batch>``), one colour per method, log scale (HF eager and our graphed engine
+differ by more than 10x).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -22,7 +24,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def run_tps(run: Path) -> tuple[str, dict[str, float]]:
     """(label, {method: median TPS over prompts}) of one run directory."""
-    rows = [json.loads(line) for line in open(run / "records.jsonl")]
+    plain = run / "records.jsonl"   # or gzipped, as committed runs keep it
+    text = plain.read_text() if plain.exists() else gzip.open(run / "records.jsonl.gz", "rt").read()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     by: dict[str, list[float]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r["tps"])

@@ -9,10 +9,12 @@ published number is typed by hand where a selector reads it.
 """
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import re
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -248,43 +250,45 @@ def test_a_printed_table_and_a_pattern_are_read_as_records(copied_page):
 def test_a_median_over_prompts_pairs_each_prompt_with_its_own_ar(copied_page):
     """`pair` divides each prompt's tok/s by the same prompt's AR; `ratio` divides two pooled values."""
     page, results = copied_page
-    path = results / "decode_gpu_fused/prefill_fused/he_b1/records.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path = results / "bench_h100_s9473/greedy_he/records.jsonl.gz"
+    rows = list(read_records(path))
     ar = {r["prompt_id"]: r["tps"] for r in rows if r["method"] == "ar"}
-    speedups = sorted(r["tps"] / ar[r["prompt_id"]] for r in rows if r["method"] == "spec:ngram@8")
-    spec = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl",
-            "where": {"method": "spec:ngram@8"}, "field": "tps", "over": {"method": "ar"},
+    speedups = [r["tps"] / ar[r["prompt_id"]] for r in rows if r["method"] == "tree"]
+    spec = {"run": "bench_h100_s9473", "file": "greedy_he/records.jsonl.gz",
+            "where": {"method": "tree"}, "field": "tps", "over": {"method": "ar"},
             "pair": ["prompt_id", "turn"], "agg": "median"}
-    assert len(speedups) == 5 and page.measure(spec) == [pytest.approx(speedups[2])]
-    with pytest.raises(page.SelectorError):   # without the pair, five AR records divide each value
+    assert len(speedups) == 24 and page.measure(spec) == [pytest.approx(statistics.median(speedups))]
+    with pytest.raises(page.SelectorError):   # without the pair, 24 AR records divide each value
         page.measure({**spec, "pair": []})
-    pooled = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl",
+    pooled = {"run": "bench_h100_s9473", "file": "greedy_he/records.jsonl.gz",
               "field": ["n_new_tokens", "wall_s"], "agg": "pooled"}
 
     def tps(method: str) -> float:
         mine = [r for r in rows if r["method"] == method]
         return sum(r["n_new_tokens"] for r in mine) / sum(r["wall_s"] for r in mine)
-    ratio = {"ratio": [{**pooled, "where": {"method": "spec:ngram@8"}}, {**pooled, "where": {"method": "hf_compiled"}}]}
-    assert page.measure(ratio) == [pytest.approx(tps("spec:ngram@8") / tps("hf_compiled"))]
+    ratio = {"ratio": [{**pooled, "where": {"method": "tree"}}, {**pooled, "where": {"method": "chain_g4"}}]}
+    assert page.measure(ratio) == [pytest.approx(tps("tree") / tps("chain_g4"))]
     difference = {"difference": ratio["ratio"], "scale": 2}
-    assert page.measure(difference) == [pytest.approx(2 * (tps("spec:ngram@8") - tps("hf_compiled")))]
+    assert page.measure(difference) == [pytest.approx(2 * (tps("tree") - tps("chain_g4")))]
     first = next(r for r in rows if r["method"] == "ar")
-    path.write_text("\n".join(json.dumps(r) for r in rows if r is not first) + "\n")
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows if r is not first) + "\n")
     with pytest.raises(page.SelectorError):   # a prompt whose AR record is gone has nothing to divide by
         page.measure(spec)
 
 
 def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     page, results = copied_page
-    timing = {"run": "decode_gpu_graphs", "file": "scale_timing_8b_1b_graphed.jsonl",
-              "where": {"kind": "measured", "batch": 1}, "field": "verify_ms.7", "scale": 1000, "offset": 1}
-    measured = next(json.loads(line) for line in (results / timing["run"] / timing["file"]).read_text().splitlines()
-                    if '"measured"' in line and '"batch": 1,' in line)
-    assert page.measure(timing) == [measured["verify_ms"]["7"] * 1000 + 1]
+    kernels = results / "bench_h100_s9473/kernel_bench/kernel_bench.jsonl"
+    timing = {"run": "bench_h100_s9473", "file": "kernel_bench/kernel_bench.jsonl",
+              "where": {"B": 64, "gamma": 4, "V": 128256}, "field": "plan.chunk", "scale": 1000, "offset": 1}
+    shape = next(r for r in map(json.loads, kernels.read_text().splitlines())
+                 if (r["B"], r["gamma"], r["V"]) == (64, 4, 128256))
+    assert page.measure(timing) == [shape["plan"]["chunk"] * 1000 + 1]
     with pytest.raises(page.SelectorError):
-        page.measure({**timing, "field": "verify_ms.8"})
-    repeats = {"run": ["kernel_bench/h200_v4", "kernel_bench/h200_v4_repeats/ab7d861"], "file": "kernel_bench.jsonl",
-               "where": {"B": 64, "gamma": 4, "V": 128256}, "field": "graph_floor_ratio", "agg": "range"}
+        page.measure({**timing, "field": "plan.no_such_key"})
+    repeats = {"run": ["bench_h200_s6151", "bench_h100_s9473"], "file": "greedy_he/job_metrics.json",
+               "field": "tree/speedup_pooled", "agg": "range"}
     assert len(page.measure(repeats)) == 2
     with pytest.raises(page.SelectorError):   # two runs, one value each: agg one wants one
         page.measure({**repeats, "agg": "one"})
@@ -294,9 +298,10 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
                   if r["method"] == "tree_planner")
     groups["where"]["prompt_id"] = record["prompt_id"]
     assert page.measure(groups) == [float(v) for v in record["accept_hist"]]   # a list field: one value each
-    bare = {"run": "kernel_bench/h200_v4_profile", "file": "kernel_profile.jsonl", "where": {"plan": None},
-            "field": "floor_us"}
-    assert len(page.measure(bare)) == 1   # the one record without a plan: the read-only kernels' line
+    bare = {"run": "bench_h100_s9473", "file": "kernel_bench/kernel_bench.jsonl", "where": {"provenance": None},
+            "field": "floor_us", "agg": "range"}
+    n_rows = len(kernels.read_text().splitlines())
+    assert len(page.measure(bare)) == n_rows - 1   # every row but the first, which keeps the provenance
     error = {"run": "head_decode_v2", "file": "*/head_summary.jsonl", "where": {"variant": ["trained_d8", "trunc_d8"]},
              "field": ["rho_tps_pred", "rho_tps_meas"], "scale": 100, "offset": -100, "abs": True, "agg": "max"}
     heads = [json.loads(line) for f in sorted(results.glob("head_decode_v2/*/head_summary.jsonl"))
@@ -304,7 +309,7 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
     worst = max(abs(r["rho_tps_pred"] / r["rho_tps_meas"] - 1) * 100 for r in heads if r["variant"] in ("trained_d8", "trunc_d8"))
     assert page.measure(error) == [pytest.approx(worst)]
     assert page.measure({**error, "abs": False, "agg": "min"})[0] < 0 < worst   # abs is what made it a size
-    either = {"run": "decode_gpu_fused/prefill_fused/he_b1", "file": "records.jsonl", "field": "tps", "agg": "range",
+    either = {"run": "bench_h100_s9473", "file": "hf_he/records.jsonl.gz", "field": "tps", "agg": "range",
               "where": {"method": ["ar", "hf_compiled"]}}
-    rows = [json.loads(line) for line in (results / either["run"] / "records.jsonl").read_text().splitlines()]
+    rows = list(read_records(results / "bench_h100_s9473/hf_he/records.jsonl.gz"))
     assert sorted(page.measure(either)) == sorted(r["tps"] for r in rows if r["method"] in ("ar", "hf_compiled"))

@@ -5,7 +5,7 @@ The fused top-k path is off on CUDA (``triton_backend.FUSE_TOPK_ON_CUDA = False`
 back to the reference) because it disagreed with the reference on 0.2-0.4 % of rows on an H200;
 this check switches it on and counts the rows (tokens or n_accepted) that differ, 20 seeds per
 shape. Prints one JSON line per shape (and the first differing row of the first two seeds).
-Output of the H200 run behind RESULTS.md's fused top-k claim: experiments/results/gpu_checks/verify_topk/.
+Output of its H200 run: experiments/results/gpu_checks/verify_topk/ on branch lab-notebook.
 
     python scripts/device/verify_topk_check.py          # CUDA only
 """
