@@ -301,8 +301,9 @@ def run_chunks(loop: Stepper, choose: Callable[[], tuple[Arm, object]],
     ``observe(snapshot, counters)`` hears each chunk's counters. With ``overlap`` (a captured
     loop: the device runs ahead of the host) the host waits on a chunk only once the device has
     work queued behind it: the first drafting of the next chunk where its arm drafts (a row's
-    end then costs only that drafting past it), else the whole next chunk; decisions then take
-    effect a chunk late and the device never waits for the host. Without it (an eager loop)
+    end then costs only that drafting past it), else the whole next chunk; once it has read a
+    chunk it sends the rest of the next one before its own bookkeeping and choice. Decisions
+    then take effect a chunk late and the device does not wait on the policy. Without it (an eager loop)
     each chunk is read before the next is chosen. Near the end chunks shrink to the steps the
     budgets still need, and when the steps in flight should suffice the host queues nothing
     until it has read them: work past the last row's end commits nothing but costs its time, a
@@ -331,6 +332,14 @@ def run_chunks(loop: Stepper, choose: Callable[[], tuple[Arm, object]],
                 launched += _launch(loop, pending, arm, tag, n, loop.mark(), launched)
         snap = pending.popleft()
         known, read_at = snap.wait(), snap.launched
+        if ahead is not None and not pending and not all(known["finished"]):
+            # The chunk whose drafting is queued goes to the device before the host reads this
+            # one: observe() and choose() then run while it verifies, instead of the device
+            # idling on them once the drafting is done (what the step counts are is unchanged).
+            n = min(chunk, max_steps - launched, steps_left(known) - (launched - read_at))
+            run, run_tag, start = ahead
+            ahead = None
+            launched += _launch(loop, pending, run, run_tag, max(n, 1), start, launched)
         observe(snap, known)
         if all(known["finished"]):
             break

@@ -455,3 +455,15 @@ def test_run_chunks_past_an_eos(chunk):
             # every chunk but the first had its drafting queued ahead, and one more ran past
             assert loop.drafted_ahead == (len(loop.launched) if arm is DRAFTING else 0)
         assert min(waste) == fewest and max(waste) == most
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_run_chunks_sends_the_next_chunk_before_the_host_reads_one(chunk):
+    """With its drafting queued ahead, the next chunk goes to the device as soon as the host
+    has read a chunk: observe() and choose() run while it verifies (on a captured loop the
+    device would otherwise idle on the policy). The last read, a finished row, sends nothing."""
+    loop, sent = _ScriptedLoop(128, 3), []
+    run_chunks(loop, lambda: (DRAFTING, None),
+               lambda snap, now: sent.append(len(loop.launched)), 128, chunk, overlap=True)
+    assert sent[:-1] == list(range(2, len(sent) + 1)) and sent[-1] == len(sent)
+    assert sum(loop.launched) <= -(-128 // 3) + chunk
