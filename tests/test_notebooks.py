@@ -62,7 +62,10 @@ def check_bandit_regret(nb) -> None:
 def check_head_bench(nb) -> None:
     assert images(nb) >= 1
     assert "bench records" in text(nb) and " 0 bench records" not in text(nb)
-    assert "overlap: 0" in text(nb)   # the distillation table: train/eval prompts disjoint
+    # the distillation table (scripts/distill_head.py records, on lab-notebook since 5ffa3b8)
+    # where the folder has them: train and eval prompts disjoint
+    if " 0 distillation records" not in text(nb):
+        assert "overlap: 0" in text(nb)
 
 
 def check_decode_results(nb) -> None:
