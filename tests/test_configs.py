@@ -172,7 +172,8 @@ def test_experiment_preset_overrides_several_groups():
     cfg = composed("experiment=mixed_stream")
     assert cfg.dataset.name == "mixed" and cfg.dataset.n_prompts == 24
     assert list(cfg.drafters.drafters) == ["ngram", "eagle_lr72", "skip10"]
-    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ucb1", "d_rate_tps", "sw_ucb_tps"}
+    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ngram_match_tps", "ucb1", "d_rate_tps",
+                                               "sw_ucb_tps"}
     assert cfg.experiment.name == "decode"
     # a command-line choice still wins over the preset's
     assert composed("experiment=mixed_stream", "dataset=gsm8k").dataset.name == "gsm8k"
