@@ -303,43 +303,42 @@ def run_chunks(loop: Stepper, choose: Callable[[], tuple[Arm, object]],
     work queued behind it: the first drafting of the next chunk where its arm drafts (a row's
     end then costs only that drafting past it), else the whole next chunk; once it has read a
     chunk it sends the rest of the next one before its own bookkeeping and choice. Decisions
-    then take effect a chunk late and the device does not wait on the policy. Without it (an eager loop)
-    each chunk is read before the next is chosen. Near the end chunks shrink to the steps the
-    budgets still need, and when the steps in flight should suffice the host queues nothing
-    until it has read them: work past the last row's end commits nothing but costs its time, a
-    short wait for the host costs less.
+    then take effect a chunk late and the device does not wait on the policy. Without it (an
+    eager loop) each chunk is read before the next is chosen. Near the end chunks shrink to the
+    steps the budgets still need, and when the steps in flight should suffice the host queues
+    nothing until it has read them: work past the last row's end commits nothing but costs its
+    time, a short wait for the host costs less.
     """
     pending: deque[Snapshot] = deque()
     launched, known = 0, None      # known: the counters of the last chunk the host has read
     read_at = 0                    # steps launched when that chunk was
     arm, tag = choose()
-    ahead = None                   # (arm, tag, start) of the next chunk, its drafting queued
-    while launched < max_steps or pending:
+
+    def room() -> int:
+        """Steps the next chunk may take: a chunk, cut to what the budgets read so far leave."""
         n = min(chunk, max_steps - launched)
-        if known is not None:
-            n = min(n, steps_left(known) - (launched - read_at))
+        return n if known is None else min(n, steps_left(known) - (launched - read_at))
+
+    while launched < max_steps or pending:
+        ahead = None               # (arm, tag, start) of the next chunk, its drafting queued
         if launched < max_steps and not pending:
-            run, run_tag, start = ahead if ahead is not None else (arm, tag, loop.mark())
-            ahead = None
-            launched += _launch(loop, pending, run, run_tag, max(n, 1), start, launched)
+            launched += _launch(loop, pending, arm, tag, max(room(), 1), loop.mark(), launched)
             if overlap:
                 continue          # queue the work that goes behind it, then wait
-        elif launched < max_steps and overlap and len(pending) < 2 and n > 0:
+        elif launched < max_steps and overlap and len(pending) < 2 and room() > 0:
             if arm.drafts:
                 ahead = (arm, tag, loop.mark())
                 loop.draft_ahead(arm)
             else:
-                launched += _launch(loop, pending, arm, tag, n, loop.mark(), launched)
+                launched += _launch(loop, pending, arm, tag, room(), loop.mark(), launched)
         snap = pending.popleft()
         known, read_at = snap.wait(), snap.launched
-        if ahead is not None and not pending and not all(known["finished"]):
+        if ahead is not None and not all(known["finished"]):
             # The chunk whose drafting is queued goes to the device before the host reads this
             # one: observe() and choose() then run while it verifies, instead of the device
             # idling on them once the drafting is done (what the step counts are is unchanged).
-            n = min(chunk, max_steps - launched, steps_left(known) - (launched - read_at))
             run, run_tag, start = ahead
-            ahead = None
-            launched += _launch(loop, pending, run, run_tag, max(n, 1), start, launched)
+            launched += _launch(loop, pending, run, run_tag, max(room(), 1), start, launched)
         observe(snap, known)
         if all(known["finished"]):
             break
