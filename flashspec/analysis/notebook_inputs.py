@@ -10,9 +10,10 @@ Jupyter and nbclient show that line instead of a traceback through pathlib and p
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 SWEEP_ENV = "FLASHSPEC_SWEEP"
 SWEEP_COMMAND = "python run.py -m bandit=ucb1,thompson head.rank=d/8,d/16"
@@ -96,3 +97,13 @@ def sweep_does_not_apply(root: Path, reads: str, instead: str) -> None:
     path = sweep_dir(root)
     if path is not None:
         print(f"{SWEEP_ENV}={path} is not read here: this notebook draws {reads}; {instead}")
+
+
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, each with its run's ``provenance``: a committed benchmark
+    file trimmed for size keeps it on its first row only, and the rows after it share it."""
+    rows, provenance = [], None
+    for row in map(json.loads, filter(str.strip, Path(path).read_text().splitlines())):
+        provenance = row["provenance"] = row.get("provenance") or provenance
+        rows.append(row)
+    return rows
