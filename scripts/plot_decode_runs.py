@@ -11,8 +11,6 @@ differ by more than 10x).
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 from pathlib import Path
 
@@ -21,12 +19,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from flashspec.records import read_records  # noqa: E402
+
 
 def run_tps(run: Path) -> tuple[str, dict[str, float]]:
     """(label, {method: median TPS over prompts}) of one run directory."""
     plain = run / "records.jsonl"   # or gzipped, as committed runs keep it
-    text = plain.read_text() if plain.exists() else gzip.open(run / "records.jsonl.gz", "rt").read()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = list(read_records(plain if plain.exists() else run / "records.jsonl.gz"))
     by: dict[str, list[float]] = {}
     for r in rows:
         by.setdefault(r["method"], []).append(r["tps"])
