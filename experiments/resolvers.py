@@ -7,6 +7,8 @@ override list a name over the file system's 255 bytes. '/' becomes ``%2F`` ('%' 
 first, so ``urllib.parse.unquote`` gives the text back) and a name over :data:`MAX_NAME_BYTES`
 is cut, ending in ``~`` and a hash of the whole text (the job's ``.hydra/overrides.yaml`` keeps
 the overrides in full; scripts/collect.py reads them from there).
+
+``${by_temperature:T,greedy,sampled}``: one of two values by the decoding temperature.
 """
 from __future__ import annotations
 
@@ -28,7 +30,14 @@ def path_safe(text: object, max_bytes: int = MAX_NAME_BYTES) -> str:
     return f"{start}~{digest}"
 
 
-RESOLVERS = {"path_safe": path_safe}
+def by_temperature(temperature: object, greedy: object, sampled: object) -> object:
+    """``greedy`` when ``temperature`` is 0, else ``sampled``: a setting that differs between
+    greedy and sampled decoding, e.g. the bench's tree shape,
+    ``${by_temperature:${experiment.temperature},dyn15d6k4,3x1x1}``."""
+    return greedy if float(temperature) == 0.0 else sampled
+
+
+RESOLVERS = {"path_safe": path_safe, "by_temperature": by_temperature}
 
 
 def register_resolvers() -> None:

@@ -136,13 +136,16 @@ class TreeDraft:
     root: the last committed token, parent -1, depth 0). ``logits`` [B, N + 1, V]: the raw draft
     logits at each node when its children were sampled from them without replacement (in
     sibling order); None when children were chosen deterministically (one-hot drafts).
-    ``bits``: :meth:`ancestor_bits` when the drafting already built them (else derived)."""
+    ``bits``: :meth:`ancestor_bits` when the drafting already built them (else derived).
+    ``fanout``: the most children any node may have (from the tree's shape; 0: unknown, up to
+    N), a bound the fused verify sizes its launches by without reading the parents."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     logits: torch.Tensor | None = None
     bits: torch.Tensor | None = field(default=None, repr=False)
+    fanout: int = 0
 
     @property
     def size(self) -> int:

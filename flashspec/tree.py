@@ -185,13 +185,14 @@ def grow_tree(root_logits: torch.Tensor, root_tokens: torch.Tensor, shape: TreeS
         if d < shape.max_depth:
             logits = expand(frontier, f_tok, f_par, d, f_bits)
     if not shape.nodes:
-        return TreeDraft(tokens, parents, depth, raw, bits=bits)
+        return TreeDraft(tokens, parents, depth, raw, bits=bits, fanout=max(shape.branching))
     if fused:      # the selection takes the growth's form (tree_selection: the same rule)
         from flashspec.tree_kernels import keep_best
     else:
         keep_best = _keep_best
     keep, k_tok, k_par, k_depth, k_bits = keep_best(tokens, parents, depth, score, shape.nodes)
-    return TreeDraft(k_tok, k_par, k_depth, None if raw is None else raw[rows, keep], bits=k_bits)
+    return TreeDraft(k_tok, k_par, k_depth, None if raw is None else raw[rows, keep], bits=k_bits,
+                     fanout=shape.top_k)
 
 
 def _grow_depth(tok: torch.Tensor, lp: torch.Tensor, frontier: torch.Tensor,

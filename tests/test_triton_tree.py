@@ -115,9 +115,11 @@ def test_triton_tree_matches_reference_across_race_blocks(full_q) -> None:
 
 @pytest.mark.parametrize("splits", [2, 3])
 def test_triton_tree_split_statistics_match_reference(splits) -> None:
-    """The statistics pass with each node's vocabulary over several programs (as on a GPU)
-    merges to the reference's walk: greedy rows (the argmax may lie in any split), sampled
-    rows with q, and a NaN in the last split of one row poisons that row only."""
+    """The GPU's layout: the statistics pass and the residual masses of rejected sampled
+    siblings with each node's vocabulary over several programs (merged by the next launch),
+    the race one block a program. Same walk as the reference: greedy rows (the argmax may lie
+    in any split), sampled rows with q, and a NaN in the last split of one row poisons that
+    row only."""
     gen = torch.Generator().manual_seed(5)
     target, draft = make_tree_case(gen, 6, 0, 3000, 1.0, True, torch.float32, 0.0, (3, 2, 1),
                                    scale=5.0)
@@ -134,6 +136,22 @@ def test_triton_tree_split_statistics_match_reference(splits) -> None:
     out, n_acc, _ = triton_tree.launch(target.to(DEVICE), dev, SamplingParams(temperature=1.0),
                                        7, temperature.to(DEVICE), 3, splits=splits)
     assert n_acc.cpu().tolist()[2] == -1 and (n_acc.cpu() >= 0).sum() == 5
+
+
+@pytest.mark.parametrize("full_q", [True, False], ids=["q", "1hot"])
+def test_triton_tree_gpu_layout_matches_reference(full_q) -> None:
+    """Many rows of wide nodes under the GPU's layout: every sibling after a rejection is
+    tested against the residual mass merged from three column spans, so a merge that drops a
+    span, or a state written before another program read it, changes some rows' walks."""
+    gen = torch.Generator().manual_seed(11)
+    target, draft = make_tree_case(gen, 96, 0, 2500, 1.0, full_q, torch.float32, 0.0, (4, 3),
+                                   scale=4.0)
+    want = reference_tree.verify_tree(target, draft, SamplingParams(temperature=1.0), 3)
+    got = triton_tree.launch(target.to(DEVICE), to(draft, DEVICE),
+                             SamplingParams(temperature=1.0), 3, None, 2, splits=3)
+    for name, w, g in zip(("out", "n_accepted", "path"), want, got):
+        assert torch.equal(w, g.cpu()), f"{name}: reference {w.tolist()} vs triton {g.tolist()}"
+    assert (want[1] == 0).any() and (want[1] == 2).any()
 
 
 def test_triton_tree_poisons_bad_rows() -> None:

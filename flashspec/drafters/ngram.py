@@ -104,7 +104,7 @@ def branch_tree(drafts: torch.Tensor, root: torch.Tensor) -> TreeDraft:
     parents = torch.where(d > 1, ids - k + 1, 0)
     return TreeDraft(torch.cat([root[:, None], drafts.transpose(1, 2).reshape(batch, -1)], 1),
                      torch.cat([parents.new_full((1,), -1), parents]).expand(batch, -1),
-                     torch.cat([d.new_zeros(1), d]).expand(batch, -1))
+                     torch.cat([d.new_zeros(1), d]).expand(batch, -1), fanout=k)
 
 
 class NgramIndex:

@@ -11,7 +11,8 @@ the decode attention for chain and tree queries; one JSON line per case.
   fp32, each way of picking the feature rows) against the gathers, embedding, ``add_rmsnorm``
   and concatenation it replaces: elements that differ (bit for bit).
 - ``tree_verify``: :func:`flashspec.verify.triton_tree.launch` with each node's statistics in
-  1 and in STAT_SPLITS programs against the reference rule (greedy and T = 1 with sampled
+  1 and in STAT_SPLITS programs (the residual masses and the race split over programs either
+  way) against the reference rule (greedy and T = 1 with sampled
   siblings, 16 nodes, V 49152, bf16): rows whose tokens, counts or paths differ.
 - ``compact``: :func:`flashspec.tree.compact_path` in one launch against the torch gathers and
   scatters at SmolLM2's cache shape (bf16): elements of K, V and the hidden rows that differ.
@@ -117,7 +118,7 @@ def verify_case(batch: int, temperature: float, dev: str, seed: int):
     tokens = torch.where(keep, best.gather(1, parents.clamp(min=0)), noise)
     q = None if temperature == 0.0 else (target.float() + torch.randn(
         target.shape, device=dev, generator=gen)).to(torch.bfloat16)
-    return target, TreeDraft(tokens, parents, depth, q)
+    return target, TreeDraft(tokens, parents, depth, q, fanout=3)
 
 
 def check_tree_verify(out, dev: str) -> None:

@@ -67,6 +67,7 @@ def main() -> None:
         print(f"{arm.label}: {len(row.tokens) / res.wall_s:.1f} tok/s, {row.steps} steps, "
               f"{1e3 * res.wall_s / row.steps:.2f} ms/step", flush=True)
         if arm.tree is None:
+            device_table(engine, prompt)
             continue
         phases: dict = collections.defaultdict(float)
         stepper = engine.stepper
@@ -95,6 +96,21 @@ def main() -> None:
         syncs = sum(e.count for e in ev if e.key in ("aten::item", "aten::_local_scalar_dense"))
         print(f"  host reads (aten::item) in 32 tokens: {syncs}", flush=True)
         print(ev.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        device_table(engine, prompt)
+
+
+def device_table(engine: SpecEngine, prompt: list[int], new: int = 32) -> None:
+    """GPU time per kernel over ``new`` tokens, most first, per step of the generation."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        res = engine.generate([prompt], new, seed=4)
+        torch.cuda.synchronize()
+    steps = res.rows[0].steps
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in ev)
+    print(f"  device time {total / steps:.0f} us/step over {steps} steps; top kernels:", flush=True)
+    for e in ev[:18]:
+        print(f"    {e.self_device_time_total / steps:8.1f} us/step {e.count / steps:5.1f}x  "
+              f"{e.key[:90]}", flush=True)
 
 
 if __name__ == "__main__":
