@@ -11,6 +11,10 @@ import pytest  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
+from experiments.resolvers import register_resolvers  # noqa: E402
+
+register_resolvers()   # the configs' own resolvers (${path_safe:...}, ${by_temperature:...}), as run.py
+
 
 def job_config(*overrides: str):
     """The config a run.py job with ``overrides`` gets (Hydra's runtime config set, as the
