@@ -59,15 +59,23 @@ def reference(smol, prompts) -> list[list[int]]:
     return outs
 
 
-def small_model_dir(out: Path, n_layers: int = 8) -> Path:
-    """A separate HF causal LM on disk: SmolLM2 cut to its first layers (same tokenizer)."""
+def small_model_dir(out: Path, n_layers: int = 8, tokens: list[int] | None = None) -> Path:
+    """A separate HF causal LM on disk: SmolLM2 cut to its first layers (same tokenizer).
+    ``tokens``: keep only these vocabulary rows (token id ``tokens[i]`` becomes i; the saved
+    tokenizer no longer matches the ids, so callers feed ids, not text)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     src = smollm2_dir()
     cfg = AutoConfig.from_pretrained(src)
     cfg.num_hidden_layers = n_layers
     full = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    state = full.state_dict()
+    if tokens is not None:
+        cfg.vocab_size = len(tokens)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in state:
+                state[name] = state[name][torch.tensor(tokens)]
     small = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    small.load_state_dict(full.state_dict(), strict=False)
+    small.load_state_dict(state, strict=False)
     small.save_pretrained(out)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)
     return out

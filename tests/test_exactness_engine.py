@@ -1,7 +1,9 @@
 """Engine-level exactness gate: the whole decode loop on a small real model, short context.
 
-The target is SmolLM2 cut to its first two layers (real weights, V = 49152); 2,000 rows keep
-the whole-engine check inside a CI budget (the 10,000-sample gate runs at the verify level). The first generated token is gated against the exact warped target
+The target is SmolLM2 cut to its first two layers (real weights) and, but for the EAGLE case,
+to the first 8,192 tokens of its vocabulary plus the prompt's (the trained EAGLE drafter's head
+needs all 49,152); 2,000 rows keep the whole-engine check inside a CI budget (the 10,000-sample
+gate runs at the verify level). The first generated token is gated against the exact warped target
 probabilities (KS + χ²); the pair (first, second token) of speculative decoding is compared
 with target-only sampling of the same engine by a χ² homogeneity test. Drafters: n-gram
 lookup (one-hot q), a one-layer self-drafter (full q), a UCB1 bandit choosing among them, and
@@ -33,13 +35,35 @@ pytestmark = pytest.mark.slow
 N, CHUNK, NEW = 2_000, 500, 2  # the 10,000-sample gate runs at the verify level
 N_POWER = 500   # a lying drafter fails the gate by p < 1e-200 at 500 rows (both loops)
 PROMPT = "The quick brown fox"
+VOCAB_CUT = 8192
+
+
+def chat_prompt(tok) -> list[int]:
+    """PROMPT's ids without a chat template: its system prompt would make every row's prefill
+    eight times longer (rows × prompt tokens dominate a 2-layer model's cost)."""
+    return tok(PROMPT)["input_ids"]
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
+    """SmolLM2's first two layers with its whole vocabulary (what the trained EAGLE drafter's
+    head was fitted to)."""
     model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("two"), n_layers=2)))
-    return model, tok.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                          add_generation_prompt=True, return_dict=True)["input_ids"]
+    return model, chat_prompt(tok)
+
+
+@pytest.fixture(scope="module")
+def small_cut(tmp_path_factory):
+    """The same two layers over the first VOCAB_CUT tokens of the vocabulary plus the prompt's
+    (real embedding rows, renumbered): the gates' cost grows with V (LM head, warps, the
+    drafts' Gumbel noise over V), their power does not."""
+    from transformers import AutoTokenizer
+    from test_engine import smollm2_dir
+    prompt = chat_prompt(AutoTokenizer.from_pretrained(smollm2_dir()))
+    keep = sorted(set(range(VOCAB_CUT)) | set(prompt))
+    model, _ = load_model(str(small_model_dir(tmp_path_factory.mktemp("cut"), n_layers=2,
+                                              tokens=keep)))
+    return model, [keep.index(t) for t in prompt]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +86,7 @@ def sample_pairs(model, prompt: list[int], arms: list[Arm], params: SamplingPara
     for c in range(rows // chunk):
         engine = SpecEngine(model, arms, policy=policy, params=params, seed=seed * 1000 + c,
                             graphs=graphs, resident=resident, drafters=drafters)
-        engine.min_capacity = 64     # static steps attend the whole cache: keep it short on CPU
+        engine.min_capacity = 16     # static steps attend the whole cache: keep it short on CPU
         rows = engine.generate([prompt] * chunk, NEW).rows
         out.append(np.array([r.tokens[:NEW] for r in rows]))
     return np.concatenate(out)
@@ -138,7 +162,7 @@ def test_engine_output_distribution_is_the_targets(request, kind, temperature, t
         model, prompt, draft = request.getfixturevalue("qwen2_pair")
         arms, drafters = [Arm(draft.name, 2)], [draft]
     else:
-        model, prompt = request.getfixturevalue("small")
+        model, prompt = request.getfixturevalue("small" if base == "eagletree" else "small_cut")
         arms, drafters = arms_for(model, base)
     policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
     # a tree step holds [rows, nodes, V] float logits several times over (target, draft,
@@ -161,10 +185,10 @@ def test_engine_output_distribution_is_the_targets(request, kind, temperature, t
 
 
 @pytest.mark.parametrize("resident", [False, True])
-def test_engine_gate_catches_a_drafter_that_lies_about_q(small, resident):
+def test_engine_gate_catches_a_drafter_that_lies_about_q(small_cut, resident):
     """Power at the engine level: a drafter that reports a q other than the one it sampled from
     (here: uniform, so nearly every draft is accepted) fails the gate, under both steppers."""
-    model, prompt = small
+    model, prompt = small_cut
 
     class WrongQ(ModelDrafter):
         def draft(self, tokens, lengths, gamma, params, seed):
