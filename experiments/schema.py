@@ -159,7 +159,18 @@ DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,
 # experiment=bench: the decode runner with named methods (experiments.harness.bench_method
 # checks each entry's keys and builds its objects).
 MAPPING = Kind("a mapping", lambda v: isinstance(v, (Mapping, DictConfig)))
+def _tree_shape(value: Any) -> bool:
+    from flashspec.core import TreeShape
+    try:
+        TreeShape.parse(value)
+    except (FlashSpecError, TypeError, ValueError):
+        return False
+    return isinstance(value, str)
+
+
+TREE_SHAPE = Kind("a draft-tree shape ('4x2x1', 'dyn15d6k4')", _tree_shape)
 BENCH = {**{k: v for k, v in DECODE.items() if k != "methods"}, "methods": MAPPING,
+         "tree": TREE_SHAPE,
          "methods.*": MAPPING | NULL, "methods.*.arms": LIST,
          **{f"methods.*.{k}": TEXT | MAPPING | NULL for k in ("runtime", "bandit", "planner")}}
 
