@@ -2,12 +2,15 @@
 # The headline GPU numbers: experiment=bench (conf/experiment/bench.yaml) on the lent H200, each
 # cell a run.py job with its resolved config, provenance and decode records (no Hydra/W&B on
 # the box: hydra, omegaconf and antlr4 travel in .whl/, gguf as a wheel in .whl/; the prompt
-# files in .cache/data; the SmolLM2 GGUF in two halves, .device/gguf/part00 and part01).
-#   bash scripts/device/bench.sh part 00           # once per machine, one call per half
-#   bash scripts/device/bench.sh part 01           # (carry .device/gguf/partNN alone: with the
-#                                                  # tracked tree, checkpoints/ included, a half
-#                                                  # is over a call's 64 MiB, so move
-#                                                  # checkpoints/ aside for these two calls)
+# files in .cache/data; the SmolLM2 GGUF in parts, .device/gguf/partNN, joined in order).
+#   bash scripts/device/bench.sh part 00           # once per machine, one call per part
+#   bash scripts/device/bench.sh part 01           # (carry .device/gguf/partNN alone; a call
+#                                                  # carries 64 MiB with the tracked tree: two
+#                                                  # halves (split -n 2) fit with checkpoints/
+#                                                  # moved aside; three parts (split -n 3) with
+#                                                  # checkpoints/ cut to the lr72 drafter, which
+#                                                  # the bench reads, so one batch of calls works
+#                                                  # with no change between them)
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
 #                                                  # carry .whl and .cache/data; on a lent H100
 #                                                  # add HW=h100 (the profile cell then checks a100)
@@ -21,14 +24,19 @@
 # and heads (experiment=head_bench with CUDA-graph timing: ν per (d, V), Qwen's 1536 x 151,936
 # included). trees: experiment=tree_tau (the 16-node trees against the 16-deep chain, τ and
 # tok/s, greedy and T = 1, both datasets). hf: HF `generate` eager and compiled (static cache)
-# beside our AR on the bench's prompts (the headline's HF row).
+# beside our AR on the bench's prompts (the headline's HF row). tests: the compiled kernels'
+# tests on CUDA (TRITON_INTERPRET=0 pytest tests/test_triton_tree.py tests/test_triton_verify.py
+# tests/test_grid_limits.py); pytest, pluggy, iniconfig, hypothesis, attrs and sortedcontainers
+# travel as wheels in .whl/test/ (python 3.12 builds: pip download --python-version 3.12).
 set -o pipefail
 if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
 OUT=${OUT:-outputs/bench_gpu}
-SEED=${SEED:?set SEED to a prompt draw no committed record used}
 mkdir -p "$OUT"
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
-[ -f $GGUF ] || cat /dev/shm/part00 /dev/shm/part01 > $GGUF
+if [ -n "$(echo " $* " | grep -E ' (greedy|t1|b32|profile|trees|hf) ')" ] || [ $# = 0 ]; then
+  SEED=${SEED:?set SEED to a prompt draw no committed record used}   # the cells with a model
+  [ -f $GGUF ] || cat /dev/shm/part?? > $GGUF                       # the parts, in order
+fi
 HW=${HW:-h200}                      # the card lent: h200 | h100 (the resident loop on either)
 ALT=$([ "$HW" = h100 ] && echo a100 || echo h100)   # another CUDA profile for the profile cell
 ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED"
@@ -48,14 +56,18 @@ one() {
     hf)     python3 run.py -m experiment=decode hardware=$HW logger=disabled target.source=$GGUF \
               dataset.seed=$SEED dataset=humaneval,mtbench dataset.n_prompts=24 +experiment.max_turns=1 \
               'experiment.methods=[ar,hf_generate,hf_compiled]' 'experiment.references=[]' hydra.sweep.dir=$OUT/hf ;;
-    *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads | trees | hf)" >&2; return 2 ;;
+    tests)  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/test/*.whl &&
+            TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_triton_tree.py \
+              tests/test_triton_verify.py tests/test_grid_limits.py ;;
+    *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads | trees | hf | tests)" >&2; return 2 ;;
   esac
 }
 for cell in ${@:-greedy t1 b32 profile}; do
   one "$cell" 2>&1 | grep --line-buffered -v "batch/s\]" | tee "$OUT/$cell.log"
 done
 for f in "$OUT"/*/job_metrics.json "$OUT"/*/*/job_metrics.json; do
-  [ -f "$f" ] && python3 - "$f" <<'PY'
+  [ -f "$f" ] || continue
+  python3 - "$f" <<'PY'
 import json, sys
 job = json.load(open(sys.argv[1]))
 names = sorted({k.split("/")[0] for k in job if k.endswith("/speedup_pooled")})
