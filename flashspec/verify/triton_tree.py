@@ -1,23 +1,32 @@
 """Fused Triton tree verification (contract: :func:`flashspec.verify.tree.verify_tree`).
 
-Two kernels, the same counter-based random numbers as the reference, so both backends return
-the same tokens for the same seed (up to float rounding of the log-sum-exp and of the residual
-masses, which can only matter when a log-space test or a race is decided by ~1e-6):
+The same counter-based random numbers as the reference, so both backends return the same
+tokens for the same seed (up to float rounding of the log-sum-exp and of the residual masses,
+which can only matter when a log-space test or a race is decided by ~1e-6). Every pass over
+the vocabulary is spread over many programs; nothing streams V serially along a path:
 
 1. ``tree_stats_kernel``: per (row, node) of the target logits (and of the draft logits when
    siblings were sampled) one streaming pass over V: max/T, log Σ exp, the first argmax and a
    poison flag (NaN/+inf, a row of only -inf, x/T overflowing). Every node in parallel, and on
    a GPU each node's vocabulary in STAT_SPLITS programs, which ``tree_stats_merge_kernel``
    combines (a lone vocabulary-wide row streamed by one program is latency bound).
-2. ``tree_walk_kernel``: per row group, the walk down the tree of the recursive rejection rule.
-   At a node its children are tested in sibling order; the residual after rejected siblings
-   is never materialised: it is a function of p(v), q(v) and, per rejected sibling j, the
-   token x_j and the masses S_j = Σ w_j, Q_j = Σ q_j, re-applied per element wherever the
-   residual is read (one-hot drafts: x_j zeroed, S_{j+1} = S_j - w_j(x_j); sampled siblings:
-   w_{j+1} = max(0, w_j/S_j - q_j/Q_j), x_j leaves q, S_{j+1} one streaming pass). When every
-   child is rejected (or at a leaf) the correction/bonus token is drawn by the reference's
-   two-level race (block masses, then a token of the winning block), streamed block by block.
-   On-chip memory is O(1) in V: every pass streams the vocabulary in tiles.
+2. ``tree_sibling_kernel``, once per sibling rank j: child j of *every* node is tested at once.
+   A sibling test does not depend on the path that reached its node (its uniform is keyed by
+   the child; the residual it meets depends on the node's own p, q and earlier children only),
+   so all of them can run before the walk. The residual after rejected siblings is never
+   materialised: it is a function of p(v), q(v) and, per rejected sibling j, the token x_j and
+   the masses S_j = Σ w_j, Q_j = Σ q_j, re-applied per element wherever it is read (one-hot
+   drafts: x_j zeroed, S_{j+1} = S_j - w_j(x_j); sampled siblings: w_{j+1} = max(0, w_j/S_j -
+   q_j/Q_j), x_j leaves q, S_{j+1} summed over column spans by separate programs and merged by
+   the next launch). The per-node state ping-pongs between two buffers, since a launch's
+   programs read the previous launch's state while its split 0 writes the new one.
+   ``TreeDraft.fanout`` bounds the launches without reading the parents.
+3. ``tree_walk_kernel``: per row, from the root, each node's accepted child; it records where
+   the walk stops.
+4. ``tree_race_kernel`` and ``tree_bonus_kernel``: the correction/bonus token at that node by
+   the reference's two-level race, the block masses one block a program, then the token inside
+   the winning block.
+On-chip memory is O(1) in V: every pass streams the vocabulary in tiles.
 
 Fused: temperature (per row or scalar), greedy rows, one-hot and sampled siblings, bf16/fp16/
 fp32 logits. Top-k/top-p warps, other dtypes and CPU tensors without Triton's interpreter fall
