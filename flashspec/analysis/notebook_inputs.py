@@ -10,7 +10,6 @@ Jupyter and nbclient show that line instead of a traceback through pathlib and p
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -100,10 +99,12 @@ def sweep_does_not_apply(root: Path, reads: str, instead: str) -> None:
 
 
 def jsonl_rows(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file, each with its run's ``provenance``: a committed benchmark
-    file trimmed for size keeps it on its first row only, and the rows after it share it."""
+    """The records of a JSONL file (:func:`flashspec.records.read_records`), each with its run's
+    ``provenance``: a committed benchmark file trimmed for size keeps it on its first row only,
+    and the rows after it share it."""
+    from flashspec.records import read_records
     rows, provenance = [], None
-    for row in map(json.loads, filter(str.strip, Path(path).read_text().splitlines())):
+    for row in read_records(path):
         provenance = row["provenance"] = row.get("provenance") or provenance
         rows.append(row)
     return rows
