@@ -166,6 +166,15 @@ class TreeDraft:
             anc[:, i] |= anc[rows, self.parents[:, i].clamp(min=0)]
         return anc
 
+    def most_children(self) -> int:
+        """The most children any node has: ``fanout`` when the shape gave it, else read from
+        the parents (a host read)."""
+        if self.fanout:
+            return self.fanout
+        kids = torch.zeros(self.parents.shape, dtype=torch.long, device=self.parents.device)
+        kids.scatter_add_(1, self.parents.clamp(min=0), (self.parents >= 0).long())
+        return int(kids.max())
+
     def children(self) -> torch.Tensor:
         """[B, N + 1, K] node ids of each node's children in priority order, -1 padded."""
         batch, n = self.parents.shape
@@ -173,7 +182,7 @@ class TreeDraft:
         same = par[:, :, None] == par[:, None, :]                          # [B, N+1, N+1]
         earlier = torch.ones(n, n, dtype=torch.bool, device=par.device).tril(-1)
         rank = (same & earlier).sum(-1)                                     # siblings before i
-        k = max(1, int(rank[:, 1:].max()) + 1) if n > 1 else 1
+        k = max(1, self.most_children())
         kids = torch.full((batch, n + 1, k), -1, dtype=torch.long, device=par.device)
         ids = torch.arange(n, device=par.device).expand(batch, n)
         parent = torch.where(par >= 0, par, torch.full_like(par, n))       # the root goes to a dump row

@@ -442,13 +442,6 @@ def verify_tree(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingP
     return out, nacc, path
 
 
-def most_children(parents: torch.Tensor) -> int:
-    """The most children any node of ``parents`` [B, N + 1] has (reads the tensor)."""
-    kids = torch.zeros(parents.shape, dtype=torch.long, device=parents.device)
-    kids.scatter_add_(1, parents.clamp(min=0), (parents >= 0).long())
-    return int(kids.max())
-
-
 def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams,
            seed: int | torch.Tensor, temperature: torch.Tensor | None, depth: int,
            splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -497,17 +490,18 @@ def launch(target_logits: torch.Tensor, draft: TreeDraft, params: SamplingParams
             ROWS=rows_m, SP2=next_pow2(splits), ROW_TEMP=row_temp, INTERPRET=INTERPRET)
     # the sibling tests of every node, one launch per sibling rank (state ping-pongs between
     # two buffers: a launch's programs read the previous launch's state while split 0 writes)
-    fan = draft.fanout or (most_children(draft.parents) if dev.type == "cpu" else width - 1)
+    # the host read of an unknown fanout is free on the CPU; on CUDA every node may be the widest
+    fan = draft.most_children() if draft.fanout or dev.type == "cpu" else width - 1
     fan = max(1, min(width - 1, fan))
     kp2 = next_pow2(fan)
     si = torch.empty(2, batch * width * (3 + kp2), dtype=torch.int32, device=dev)
     sf = torch.empty(2, batch * width * (2 + 2 * kp2), dtype=torch.float32, device=dev)
     blocks = triton.cdiv(vocab, RBLK.value)
     bt = min(RBLK.value, next_pow2(vocab))
+    rows_n = min(next_pow2(batch * width), (1 << 20) // bt) if INTERPRET else 1
     if INTERPRET and gpu_layout is None:
-        rows_n, sib_splits, bps = min(next_pow2(batch * width), (1 << 20) // bt), 1, blocks
+        sib_splits, bps = 1, blocks
     else:      # a node's residual mass in ~2048-column spans, its race one block a program
-        rows_n = min(next_pow2(batch * width), (1 << 20) // bt) if INTERPRET else 1
         sib_splits, bps = gpu_layout or min(64, triton.cdiv(vocab, 2048)), 1
     sib_span = triton.cdiv(triton.cdiv(vocab, sib_splits), bt) * bt
     sib_splits = triton.cdiv(vocab, sib_span)
