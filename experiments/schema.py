@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from flashspec.core import TreeShape
 from flashspec.errors import FlashSpecError
 
 
@@ -159,8 +160,9 @@ DECODE = {**SAMPLING, "methods": TEXTS, "references": TEXTS, "reuse": BOOL,
 # experiment=bench: the decode runner with named methods (experiments.harness.bench_method
 # checks each entry's keys and builds its objects).
 MAPPING = Kind("a mapping", lambda v: isinstance(v, (Mapping, DictConfig)))
+
+
 def _tree_shape(value: Any) -> bool:
-    from flashspec.core import TreeShape
     try:
         TreeShape.parse(value)
     except (FlashSpecError, TypeError, ValueError):

@@ -38,7 +38,7 @@ PROMPT = "The quick brown fox"
 VOCAB_CUT = 8192
 
 
-def chat_prompt(tok) -> list[int]:
+def prompt_ids(tok) -> list[int]:
     """PROMPT's ids without a chat template: its system prompt would make every row's prefill
     eight times longer (rows × prompt tokens dominate a 2-layer model's cost)."""
     return tok(PROMPT)["input_ids"]
@@ -49,7 +49,7 @@ def small(tmp_path_factory):
     """SmolLM2's first two layers with its whole vocabulary (what the trained EAGLE drafter's
     head was fitted to)."""
     model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("two"), n_layers=2)))
-    return model, chat_prompt(tok)
+    return model, prompt_ids(tok)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def small_cut(tmp_path_factory):
     drafts' Gumbel noise over V), their power does not."""
     from transformers import AutoTokenizer
     from test_engine import smollm2_dir
-    prompt = chat_prompt(AutoTokenizer.from_pretrained(smollm2_dir()))
+    prompt = prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir()))
     keep = sorted(set(range(VOCAB_CUT)) | set(prompt))
     model, _ = load_model(str(small_model_dir(tmp_path_factory.mktemp("cut"), n_layers=2,
                                               tokens=keep)))
