@@ -229,12 +229,12 @@ TRAIN_DRAFTER = {
         "warmup": COUNT, "weight_decay": number(0), "grad_clip": number(0, lo_open=True),
         "batch_tokens": POSITIVE, "max_len": POSITIVE, "unroll": POSITIVE,
         "unroll_from_step": COUNT, "unroll_decay": number(0, 1), "detach_unroll": BOOL,
-        "w_kl": number(0), "w_reg": number(0), "kl_from_step": COUNT,
+        "w_kl": number(0), "w_accept": number(0), "w_reg": number(0), "kl_from_step": COUNT,
         "reg": choice("smooth_l1", "logit_mse"), "noise": number(0),
         "loss_on": choice("response", "all"), "amp": choice("bf16", "none"),
         "val_fraction": number(0, 1, hi_open=True), "eval_every": POSITIVE,
         "eval_prompts": COUNT, "eval_new_tokens": POSITIVE, "eval_gamma": POSITIVE,
-        "log_every": POSITIVE, "time_budget_s": SECONDS, "n_layers": POSITIVE,
+        "eval_temperature": number(0), "log_every": POSITIVE, "time_budget_s": SECONDS, "n_layers": POSITIVE,
         "out_norm": BOOL, "in_norm": BOOL, "init": TEXT}.items()}}
 
 # experiment.name -> its keys under ``experiment.``

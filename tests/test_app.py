@@ -14,6 +14,7 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 # Experiment configs whose smoke run another test makes (with the same assertions and more):
 # the glob(*) smoke test leaves them out instead of running them a second time.
 SMOKED_ELSEWHERE = {"train_drafter": "tests/test_eagle.py::test_train_drafter_smoke",
+                   "train_drafter_sampled": "tests/test_eagle.py::test_train_drafter_smoke",
                    # a registry model CI never downloads: its smoke run is
                    "head_decode_qwen": "tests/test_registry_models.py::test_head_decode_qwen_smoke",
                    "head_decode_qwen05": "tests/test_registry_models.py::test_head_decode_qwen_smoke",

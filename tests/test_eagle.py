@@ -229,23 +229,30 @@ def test_training_continues_from_a_checkpoint(smol):
         build_module(model, TrainConfig(init=f"checkpoint:{path}", n_layers=2), head)
 
 
-def test_train_drafter_smoke(tmp_path):
-    """experiment=train_drafter at smoke size (tests/test_app.py's glob(*) smoke test leaves this
-    config to this test): a checkpoint, its provenance and records that carry theirs."""
+@pytest.mark.parametrize("experiment,parts,passes", [("train_drafter", 2, 2),
+                                                     ("train_drafter_sampled", 1, 3)])
+def test_train_drafter_smoke(tmp_path, experiment, parts, passes):
+    """experiment=train_drafter and the sampling recipe at smoke size (tests/test_app.py's
+    glob(*) smoke test leaves these configs to this test): a checkpoint, its provenance and
+    records that carry theirs, every unrolled pass's loss parts and T = 1 acceptance."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "run.py", "experiment=train_drafter", "smoke=true",
+    proc = subprocess.run([sys.executable, "run.py", f"experiment={experiment}", "smoke=true",
                            "logger=disabled", f"output_dir={out}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = read_eagle_metadata(out / "eagle_best.safetensors")
-    # two data parts (T=1 samples, greedy) x 3 prompts, mtbench has two turns
-    assert meta["provenance"]["data"]["n_sequences"] == 8
+    # data parts (T=1 samples [, greedy]) x 3 prompts, mtbench has two turns
+    assert meta["provenance"]["data"]["n_sequences"] == 4 * parts
     for name, ids in meta["provenance"]["data"]["train_prompt_ids"].items():
         assert not set(ids) & set(split_ids(name, "eval")), name
     records = [json.loads(line) for line in (out / "train_records.jsonl").read_text().splitlines()]
     assert records and all("provenance" in r for r in records)
     assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 3
     assert any("eval/tau_mean" in r and r["eval/tau_mean"] >= 1.0 for r in records)
+    final = records[-1]["final"]
+    for j in range(passes):
+        assert 0 < final[f"val/accept_{j}"] <= 1 and f"val/kl_{j}" in final
+    assert f"val/accept_{passes}" not in final
     assert (out / "eagle_last.safetensors").is_file()
 
 

@@ -4,11 +4,14 @@ Loss per unrolled pass j (pass 0 reads true features; pass j > 0 reads the draft
 predictions of pass j-1, with the attention pattern it meets while drafting — true slots up to
 s-j, its own predicted slots after: EAGLE-3's "training-time test"):
 
-    w_kl · KL(p_target(· | f_s) || q(· | ĥ_s))  +  w_reg · SmoothL1(ĥ_s, f_s)
+    w_kl · KL(p_target(· | f_s) || q(· | ĥ_s))  +  w_accept · (1 - accept_s)
+        +  w_reg · SmoothL1(ĥ_s, f_s)
 
 p_target is the target's exact next-token distribution at s, coarsened to its top-k tokens
 plus one bucket for the rest of the vocabulary (the data stores the top-k log-probs); q is the
-drafter's full-vocabulary softmax through its head, so the KL is exact on that partition. The
+drafter's full-vocabulary softmax through its head, so the KL is exact on that partition.
+accept_s = Σ min(p, q) on the same partition is the probability that speculative sampling at
+T = 1 accepts a token the drafter sampled (:class:`TailCrossEntropy`). The
 cross-entropy has a hand-written backward (softmax - target) that never materialises more than
 one [M, V] float32 buffer. The same code runs on CPU and CUDA (bf16 autocast on either).
 
@@ -66,6 +69,7 @@ class TrainConfig:
     unroll_decay: float = 0.8       # weight of pass j is decay**j
     detach_unroll: bool = False
     w_kl: float = 1.0
+    w_accept: float = 0.0           # weight of 1 - accept, the T = 1 rejection probability
     w_reg: float = 1.0
     kl_from_step: int = 0           # regression only (no head: much cheaper steps) before this
     reg: str = "smooth_l1"          # smooth_l1 on features | logit_mse: mean squared logit error
@@ -77,6 +81,7 @@ class TrainConfig:
     eval_prompts: int = 2           # per dataset, from the tail of each eval split
     eval_new_tokens: int = 48
     eval_gamma: int = 4
+    eval_temperature: float = 0.0   # τ of the held-out decode (picks the best checkpoint) at this T
     log_every: int = 10
     seed: int = 0
     time_budget_s: float | None = None  # stop (with the LR schedule finished) after this long
@@ -118,7 +123,7 @@ class Batch:
 
 @dataclass
 class EvalSet:
-    """Held-out prompts (token ids) per dataset for greedy τ through the engine."""
+    """Held-out prompts (token ids) per dataset for τ through the engine."""
 
     prompts: dict[str, list[list[int]]]
     ids: dict[str, list[str]] = field(default_factory=dict)
@@ -311,13 +316,24 @@ def forward_passes(module: EagleModule, target: LlamaLM, batch: Batch, cfg: Trai
 
 
 class TailCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy of softmax(x W^T) against a top-k + tail-bucket target.
+    """Per-row cross-entropy of softmax(x W^T) against a top-k + tail-bucket target, and the
+    acceptance probability of one sampled draft token on the same partition.
 
     loss = -Σ_k p_k log q_k - p_tail log q_tail; with Σ_k p_k + p_tail = 1 its gradient wrt the
-    logits is q - p on the k ids and q (1 - p_tail / q_tail) elsewhere. ``dtype`` is the matmul
-    dtype (bf16 under amp): the [M, V] logits stay in it (every [M, V] pass is done in place),
-    while the normaliser, the tail mass (summed directly, never as 1 - Σ top) and the top-k
-    terms are float32. Returns (loss [M], drafter argmax [M]).
+    logits is q - p on the k ids and q (1 - p_tail / q_tail) elsewhere.
+
+    accept = Σ_k min(p_k, q_k) + min(p_tail, q_tail): speculative sampling at T = 1 accepts a
+    token drawn from q with probability Σ_v min(p_v, q_v) (1 - the total variation), and this is
+    that sum with the tail coarsened to one bucket (an upper bound). Its gradient wrt logit i is
+    q_i (c_i - C): c_i = 1 where q is below p on i's part (its top id, or the tail bucket), and
+    C = Σ_i q_i c_i. Training on 1 - accept (the LK losses' direct acceptance objective) puts the
+    drafter's limited capacity where sampling gains, which the KL alone, being mass-covering,
+    does not.
+
+    ``dtype`` is the matmul dtype (bf16 under amp): the [M, V] logits stay in it (every [M, V]
+    pass is done in place), while the normaliser, the tail mass (summed directly, never as
+    1 - Σ top) and the top-k terms are float32. Returns (loss [M], accept [M], drafter argmax
+    [M]).
     """
 
     @staticmethod
@@ -335,17 +351,26 @@ class TailCrossEntropy(torch.autograd.Function):
         p_top = logp.to(acc).exp()
         p_tail = (1 - p_top.sum(-1)).clamp(min=0)
         loss = -(p_top * log_q_top).sum(-1) - p_tail * q_tail.log()
-        ctx.save_for_backward(xc, wc, z, zmax, total, ids, p_top, log_q_top.exp(), p_tail, q_tail)
+        q_top = log_q_top.exp()
+        accept = torch.minimum(p_top, q_top).sum(-1) + torch.minimum(p_tail, q_tail)
+        ctx.save_for_backward(xc, wc, z, zmax, total, ids, p_top, q_top, p_tail, q_tail)
         ctx.weight_dtype, ctx.x_dtype = weight.dtype, x.dtype
         ctx.mark_non_differentiable(top1)
-        return loss, top1
+        return loss, accept, top1
 
     @staticmethod
-    def backward(ctx, g_loss, _g_top1):
+    def backward(ctx, g_loss, g_accept, _g_top1):
         xc, wc, z, zmax, total, ids, p_top, q_top, p_tail, q_tail = ctx.saved_tensors
-        scale = g_loss * (1 - p_tail / q_tail) / total
-        g = z.sub(zmax[:, None]).exp_().mul_(scale[:, None].to(z.dtype))  # q_j, rescaled
-        g.scatter_(1, ids, (g_loss[:, None] * (q_top - p_top)).to(g.dtype))
+        scale = g_loss * (1 - p_tail / q_tail)
+        top = g_loss[:, None] * (q_top - p_top)
+        if g_accept is not None:
+            below_top = (q_top < p_top).to(q_top.dtype)
+            below_tail = (q_tail < p_tail).to(q_top.dtype)
+            c_mass = (q_top * below_top).sum(-1) + q_tail * below_tail
+            scale = scale + g_accept * (below_tail - c_mass)
+            top = top + g_accept[:, None] * q_top * (below_top - c_mass[:, None])
+        g = z.sub(zmax[:, None]).exp_().mul_((scale / total)[:, None].to(z.dtype))  # q_j, rescaled
+        g.scatter_(1, ids, top.to(g.dtype))
         grad_x = (g @ wc).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = (g.T @ xc).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None
@@ -402,14 +427,16 @@ def losses(outs: list[torch.Tensor], batch: Batch, head: nn.Module, target: Llam
         rows = batch.rows(out, "region")
         rows = rows[:64].detach() if skip else rows
         x, weight = head_factors(head, rows)
-        ce, top1 = TailCrossEntropy.apply(x, weight, ids, logp, dtype)
-        ce = ce.mean()
+        ce, accept, top1 = TailCrossEntropy.apply(x, weight, ids, logp, dtype)
+        ce, accept = ce.mean(), accept.mean()
         reg = regression(batch.rows(out, "valid"), feats, head, cfg)
         w = cfg.unroll_decay ** j
-        total = total + w * ((0.0 if skip else w_kl * ce) + cfg.w_reg * reg)
+        draft = 0.0 if skip else w_kl * ce + cfg.w_accept * (1 - accept)
+        total = total + w * (draft + cfg.w_reg * reg)
         norm += w
         stats.update({f"kl_{j}": ce.detach() - entropy, f"reg_{j}": reg.detach(),
-                      f"acc_{j}": (top1 == ids[:, 0]).float().mean()})
+                      f"acc_{j}": (top1 == ids[:, 0]).float().mean(),
+                      f"accept_{j}": accept.detach()})
     return total / norm, stats
 
 
@@ -438,20 +465,23 @@ def eval_prompts(tokenizer, per_dataset: int, datasets: Sequence[str] = ("humane
     return EvalSet(prompts, ids)
 
 
-def greedy_tau(target: LlamaLM, module: EagleModule, head: nn.Module | None, evalset: EvalSet,
-               gamma: int, new_tokens: int, eos: Sequence[int]) -> dict[str, float]:
-    """τ (tokens per target forward) of greedy speculative decoding per dataset, and 'mean'."""
-    from flashspec.core import Arm
+def eval_tau(target: LlamaLM, module: EagleModule, head: nn.Module | None, evalset: EvalSet,
+             gamma: int, new_tokens: int, eos: Sequence[int], temperature: float = 0.0
+             ) -> dict[str, float]:
+    """τ (tokens per target forward) of speculative decoding per dataset, and 'mean': greedy,
+    or sampled at ``temperature`` from a fixed seed (every evaluation draws the same streams)."""
+    from flashspec.core import Arm, SamplingParams
     from flashspec.engine import SpecEngine
     if next(module.parameters()).dtype != target.dtype:
         module = copy.deepcopy(module).to(target.dtype)
         head = copy.deepcopy(head).to(target.dtype) if head is not None else None
     drafter = EagleDrafter(target, module, head)
-    engine = SpecEngine(target, [Arm(drafter.name, gamma)], eos_ids=eos, drafters=[drafter])
+    engine = SpecEngine(target, [Arm(drafter.name, gamma)], eos_ids=eos, drafters=[drafter],
+                        params=SamplingParams(temperature=temperature))
     out = {}
     for name, prompts in evalset.prompts.items():
         if prompts:
-            rows = engine.generate(prompts, new_tokens).rows
+            rows = engine.generate(prompts, new_tokens, seed=0).rows
             steps = sum(r.steps for r in rows)
             out[name] = (sum(r.n_accepted for r in rows) + steps) / max(steps, 1)
     out["mean"] = sum(out.values()) / max(len(out), 1)
@@ -545,7 +575,8 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
           log_fn: Callable[[dict[str, Any], int], None] | None = None,
           on_best: Callable[[EagleModule, nn.Module | None, dict[str, Any]], None] | None = None,
           progress: bool = True, resumable: Resumable | None = None) -> TrainResult:
-    """Train a drafter on ``data``; evaluates greedy τ every ``eval_every`` steps and at the end.
+    """Train a drafter on ``data``; evaluates τ every ``eval_every`` steps and at the end (greedy,
+    or sampled at ``eval_temperature``).
 
     ``head``: the drafter's head (default the target's frozen one); its trainable parameters
     are trained too. ``on_best(module, head, record)`` fires on every new best held-out τ.
@@ -611,7 +642,8 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
             rec.update({f"val/{k}": v for k, v in
                         validate(module, head_module, target, data, val_idx, cfg, autocast).items()})
         if evalset is not None:
-            taus = greedy_tau(target, module, head, evalset, cfg.eval_gamma, cfg.eval_new_tokens, eos)
+            taus = eval_tau(target, module, head, evalset, cfg.eval_gamma, cfg.eval_new_tokens, eos,
+                            cfg.eval_temperature)
             rec.update({f"eval/tau_{k}": v for k, v in taus.items()})
             if best_tau is None or taus["mean"] > best_tau:
                 best_tau, best_step = taus["mean"], step
@@ -623,6 +655,7 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
             log_fn(rec, step)
         log.info("step %d: %s", step, {k: round(v, 4) for k, v in rec.items() if isinstance(v, float)})
 
+    warm = cfg.init.startswith("checkpoint:") and evalset is not None
     bar = tqdm(total=cfg.steps, initial=start, desc="train eagle", unit="step",
                disable=not progress)
     module.train()
@@ -644,8 +677,8 @@ def train(target: LlamaLM, data: DistillData | Store, cfg: TrainConfig,
                                    time.perf_counter() - t0, paused=True)
             if resumable.every and step % resumable.every == 0:
                 save_state(step)
-        if cfg.eval_every and step and step % cfg.eval_every == 0:
-            evaluate(step)
+        if cfg.eval_every and step % cfg.eval_every == 0 and (step or warm):
+            evaluate(step)   # step 0 of a warm start: the drafter it starts from, as a baseline
         if not queue:
             queue = batches(data, train_idx, cfg, rng)
         batch = collate(data, queue.pop(), cfg)
