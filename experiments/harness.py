@@ -213,7 +213,7 @@ def bench_specs(cfg: DictConfig) -> dict[str, DictConfig]:
 
 def bench_method(cfg: DictConfig, name: str, spec: Mapping[str, Any]) -> BenchMethod:
     """``experiment.methods.<name>``: ``arms`` (pairs as in ``drafters.arms``: ``[[ar, 0]]``,
-    ``[[eagle_lr72, 4]]``, ``[[eagle_lr72, dyn15d6k4]]``), and optionally ``runtime`` (default:
+    ``[[eagle_v5, 4]]``, ``[[eagle_v5, dyn15d6k4]]``), and optionally ``runtime`` (default:
     the run's), ``bandit`` (default: the run's when there are several arms) and ``planner``
     (default: none), each a group option's name or a node (:func:`group_node`). Built at
     composition too (:func:`validate`), so a bad entry fails before any model loads."""

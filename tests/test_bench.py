@@ -74,16 +74,16 @@ def test_a_methods_own_choices_reach_its_engine():
     tree = cfg.experiment.methods
     assert bench_method(cfg, "tree", tree.tree).planner is None
     assert bench_method(cfg, "tp", tree.tree_planner).planner is not None
-    two = bench_method(cfg, "ucb", OmegaConf.create({"arms": [["eagle_lr72", 4], ["ar", 0]],
+    two = bench_method(cfg, "ucb", OmegaConf.create({"arms": [["eagle_v5", 4], ["ar", 0]],
                                                      "bandit": "ucb1"}))
     assert two.policy is not None and two.policy.n_arms == 2 and two.policy.learns
 
 
 @pytest.mark.parametrize("override,needle", [
     ("+experiment.methods.x={arms: [[nope, 4]]}", "experiment.methods.x: arm nope@4 names drafter"),
-    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], runtime: fast}",
+    ("+experiment.methods.x={arms: [[eagle_v5, 4]], runtime: fast}",
      "runtime=fast: no conf/runtime/fast.yaml"),
-    ("+experiment.methods.x={arms: [[eagle_lr72, 4]], gamma: 4}",
+    ("+experiment.methods.x={arms: [[eagle_v5, 4]], gamma: 4}",
      "experiment.methods.x: give arms"),
     ("experiment.methods.ar=null", "needs a method named ar"),
 ])
