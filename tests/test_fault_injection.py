@@ -1,5 +1,7 @@
 """A decode run killed (SIGKILL) at random points and resumed each time ends with the same
-records as an uninterrupted run: same keys, no duplicates, same tokens, greedy and at T = 1."""
+records as an uninterrupted run: same keys, no duplicates, same tokens. At T = 1, so a resumed
+run must also restart every random stream where the uninterrupted one had it (a greedy run
+would pass with the streams wrong; it has nothing else to check)."""
 from __future__ import annotations
 
 import json
@@ -48,7 +50,7 @@ def tokens(recs: list[dict]) -> dict[tuple, list[int]]:
     return {k: r["tokens"] for k, r in zip(keys, recs)}
 
 
-@pytest.mark.parametrize("temperature", ["0.0", "1.0"])
+@pytest.mark.parametrize("temperature", ["1.0"])
 def test_killed_and_resumed_run_equals_an_uninterrupted_one(tmp_path, temperature):
     extra = [f"experiment.temperature={temperature}"]
     whole = start(tmp_path / "whole", *extra)
