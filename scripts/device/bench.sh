@@ -8,9 +8,9 @@
 #                                                  # carries 64 MiB with the tracked tree: two
 #                                                  # halves (split -n 2) fit with checkpoints/
 #                                                  # moved aside; three parts (split -n 3) with
-#                                                  # checkpoints/ cut to the lr72 drafter, which
-#                                                  # the bench reads, so one batch of calls works
-#                                                  # with no change between them)
+#                                                  # checkpoints/ cut to the bench's drafter
+#                                                  # (conf/drafters/bench.yaml), so one batch of
+#                                                  # calls works with no change between them)
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
 #                                                  # carry .whl and .cache/data; on a lent H100
 #                                                  # add HW=h100 (the profile cell then checks a100)
