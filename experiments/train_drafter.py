@@ -17,9 +17,8 @@ resumable in short calls (rerun the same line until ``twins.json`` says finished
     python run.py experiment=train_drafter 'experiment.heads=[full,d/8,d/16,d/32]' \
         experiment.resume=true experiment.call_budget_s=480 output_dir=outputs/twins_smollm2
 
-Without Hydra/W&B (e.g. on a GPU box): ``python -m experiments.train_drafter --device cuda
---out DIR [--steps N --batch-tokens N --set train.unroll=3 ...]`` (or ``python -m
-flashspec.training``, which does not import the experiments package).
+The drafter trained for sampling (T = 1 data, three unrolled passes, the acceptance objective):
+``experiment=train_drafter_sampled`` (conf/experiment/train_drafter_sampled.yaml).
 """
 from __future__ import annotations
 
@@ -27,7 +26,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from flashspec.training.cli import SMOKE_DATA, SMOKE_TRAIN, main
+
+# smoke=true: a few tokens of data and three steps
+SMOKE_DATA = {"datasets": {"humaneval": 1, "gsm8k": 1, "mtbench": 1},
+              "samples": {"humaneval": 1, "gsm8k": 1, "mtbench": 1}, "max_new_tokens": 8,
+              "batch_size": 4}
+SMOKE_TRAIN = {"steps": 3, "eval_every": 0, "eval_prompts": 1, "eval_new_tokens": 8,
+               "batch_tokens": 512, "max_len": 256, "warmup": 1, "val_fraction": 0.34,
+               "log_every": 1, "time_budget_s": None}
 
 
 # per-invocation keys: a run continued by a series of calls may change them between calls
@@ -79,7 +85,3 @@ def run(cfg) -> dict[str, Any]:
             choice = replace(choice, init="svd")
         head = choice.build(target.lm_head_weight, None, "train_drafter")
         return run_job(target, tokenizer, opts, head, run.logger, run.provenance)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,9 +7,7 @@ resumable: with ``resume`` a call continues each drafter from its saved state
 ``call_budget_s`` / ``call_steps`` with the state saved, so a long recipe runs as a series of
 identical short calls.
 
-Shared by ``experiments/train_drafter.py`` (Hydra) and the plain CLI (``python -m
-experiments.train_drafter`` / ``python -m flashspec.training``), which needs neither Hydra nor
-W&B.
+Its front door is ``python run.py experiment=train_drafter`` (``experiments/train_drafter.py``).
 """
 from __future__ import annotations
 
