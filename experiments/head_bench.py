@@ -1,16 +1,13 @@
 """Head latency benchmark (SlimSpec ν): full vs low-rank vs equal-cost truncated heads.
 
-Hydra: ``python run.py experiment=head_bench [hardware=h200] [smoke=true]``.
-Plain (torch only, e.g. on a GPU box without Hydra/W&B):
-``python -m experiments.head_bench --device cuda --out DIR``.
+``python run.py experiment=head_bench [hardware=h200] [smoke=true]``.
 The measurement lives in :mod:`flashspec.analysis.head_bench`; this file maps configs onto it.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from flashspec.analysis.head_bench import BenchConfig, main, run_bench
+from flashspec.analysis.head_bench import BenchConfig, run_bench
 
 KNOBS = ("batches", "rank_divs", "warmup", "min_rounds", "max_rounds", "budget_s",
          "min_sample_s", "flush_factor", "max_copies", "truncated_kept", "threads", "layout",
@@ -39,7 +36,3 @@ def run(cfg: Any) -> dict:
         summary = run_bench(bench_config(cfg), cfg.output_dir, run.config, run.logger)
         run.logger.summary({"n_records": summary["n_records"]})
     return summary
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Kernel benchmark: fused Triton verify vs the PyTorch reference (eager and torch.compile).
 
-Hydra: ``python run.py experiment=kernel_bench hardware=h200 [smoke=true]``.
-Plain (GPU box without Hydra/W&B): ``python -m experiments.kernel_bench --out DIR --hardware h200``
-(``--runtime`` picks the kernel switches' runtime file; default: the profile's own).
+``python run.py experiment=kernel_bench hardware=h200 [runtime=...] [smoke=true]`` (the runtime
+group picks the kernel switches; ``experiment.precompile=N`` compiles every shape's kernels in N
+processes before timing, on a GPU).
 
 Per shape (B, γ, V): median µs per verify call (CUDA events around each call, warm-up
 excluded, inputs rotated over enough buffers to defeat the L2), speedup vs the eager
@@ -13,11 +13,9 @@ a device seed. On CPU or with smoke=true a tiny shape set runs (interpreted Trit
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from dataclasses import replace
@@ -408,29 +406,6 @@ def precompile(knobs: dict, shapes: list[tuple[int, int, int]], workers: int, se
             print(f"precompile: {msg} at {time.time() - t0:.0f} s", flush=True)
 
 
-def probe_direct() -> bool:
-    """Direct launch (cached compiled kernels) gives the reference's answers: a few shapes,
-    int and device seeds, every call after the first going through the cached handles."""
-    from flashspec.verify import triton_backend as tb
-    assert not tb.INTERPRET, "direct launch needs compiled kernels (a GPU)"
-    options = KernelOptions(direct_launch=True)
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = SamplingParams(temperature=1.0)
-    ok = True
-    for shape in ((1, 4, 32000), (8, 4, 49152)):
-        args = make_inputs(*shape, torch.bfloat16, "full", 1.0, device, gen)
-        for fused in (True, False):
-            for s in (0, 1, torch.tensor(5, device=device), 7):
-                got = tb.launch(*args, params, s, fused=fused, options=options)
-                want = reference.verify(*args, params, s)
-                same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                ok &= same
-                print(f"probe {shape} fused={fused} seed={s}: same={same}", flush=True)
-    print("DIRECT_OK" if ok else "DIRECT_FAILED", flush=True)
-    return ok
-
-
 def knobs_of(exp: dict, smoke: bool, device: torch.device) -> dict:
     """Experiment knobs; the smoke shape set when smoke=true or there is no GPU."""
     knobs = dict(exp)
@@ -450,25 +425,11 @@ def pick_device(name: str) -> torch.device:
 
 
 def kernel_options(runtime: dict) -> KernelOptions:
-    """The runtime config's ``kernels:`` mapping as KernelOptions (plain dict: the GPU box
-    reads the YAML without Hydra, so ``_target_`` is dropped rather than instantiated)."""
+    """The runtime config's ``kernels:`` mapping as KernelOptions (``_target_`` dropped: the
+    resolved config is a plain mapping here)."""
     spec = dict(runtime.get("kernels") or {})
     spec.pop("_target_", None)
     return KernelOptions(**spec)
-
-
-def plain_profile(hardware: str, runtime: str | None = None) -> tuple[dict, dict]:
-    """(hardware, runtime) mappings as Hydra composes them, read with PyYAML: the hardware
-    file without its defaults list, and ``runtime`` or else the runtime that list names
-    (``override /runtime@_global_.runtime: <mode>``, see conf/config.yaml)."""
-    import yaml
-    hw = yaml.safe_load((ROOT / f"conf/hardware/{hardware}.yaml").read_text())
-    for entry in hw.pop("defaults", None) or []:
-        for key, value in (entry.items() if isinstance(entry, dict) else ()):
-            if key.split("@")[0] == "override /runtime" and runtime is None:
-                runtime = str(value)
-    rt = yaml.safe_load((ROOT / f"conf/runtime/{runtime or 'eager'}.yaml").read_text())
-    return hw, rt
 
 
 def run(cfg: Any) -> dict:
@@ -478,9 +439,12 @@ def run(cfg: Any) -> dict:
         conf = run.config
         device = pick_device(conf["hardware"]["device"])
         knobs = knobs_of(conf["experiment"], bool(conf.get("smoke")), device)
+        options = kernel_options(conf["runtime"])
+        if int(knobs.get("precompile") or 0) > 0 and device.type == "cuda":
+            precompile(knobs, shapes_of(knobs), int(knobs["precompile"]), int(conf["seed"]),
+                       device, options)
         summary = bench(knobs, device, float(conf["hardware"]["mem_bandwidth_gbs"]),
-                        run.path, conf, int(conf["seed"]), run.logger,
-                        kernel_options(conf["runtime"]))
+                        run.path, conf, int(conf["seed"]), run.logger, options)
     _gate(summary)
     return summary
 
@@ -490,64 +454,3 @@ def _gate(summary: dict) -> None:
     if not summary["all_identical"]:
         raise AssertionError("kernel and reference outputs differ for some shape (eager or "
                              "graph replay); see 'mismatches' in the records")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Plain entry without Hydra: reads the YAML configs with PyYAML."""
-    import yaml
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--hardware", default="h200")
-    ap.add_argument("--runtime", default=None,
-                    help="conf/runtime/<name>.yaml (default: the one the hardware file names)")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--commit", default=None, help="source commit, where the box has no git")
-    ap.add_argument("--precompile", type=int, default=0, metavar="N",
-                    help="compile every shape's kernels in N processes first (GPU)")
-    ap.add_argument("--precompile-only", action="store_true",
-                    help="with --precompile: compile, then exit (no timing)")
-    ap.add_argument("--probe-direct", action="store_true",
-                    help="only check direct launch against the reference (GPU)")
-    ap.add_argument("--direct-launch", action="store_true",
-                    help="launch the cached compiled kernels directly (runtime.kernels."
-                         "direct_launch=true)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=YAML",
-                    help="override experiment knobs, e.g. --set batches=[1,8] iters=50")
-    args = ap.parse_args(argv)
-    exp = yaml.safe_load((ROOT / "conf/experiment/kernel_bench.yaml").read_text())["experiment"]
-    hw, rt = plain_profile(args.hardware, args.runtime)
-    for kv in args.set:
-        key, _, val = kv.partition("=")
-        exp[key] = yaml.safe_load(val)
-    if args.direct_launch:
-        rt["kernels"] = {**(rt.get("kernels") or {}), "direct_launch": True}   # in the config
-    options = kernel_options(rt)
-    device = pick_device(hw["device"])
-    if args.probe_direct:
-        return 0 if probe_direct() else 1
-    conf = {"experiment": exp, "hardware": hw, "runtime": rt, "seed": args.seed,
-            "smoke": args.smoke, "output_dir": str(args.out),
-            "entry": "python -m experiments.kernel_bench",
-            "source_commit": args.commit}
-    from experiments.schema import check_config   # the checks run.py makes at composition
-    try:
-        check_config(conf)
-    except FlashSpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    knobs = knobs_of(exp, args.smoke, device)
-    if args.precompile > 0:
-        precompile(knobs, shapes_of(knobs), args.precompile, args.seed, device, options)
-        if args.precompile_only:
-            return 0
-    summary = bench(knobs, device, float(hw["mem_bandwidth_gbs"]),
-                    args.out, conf, args.seed, options=options)
-    print(summary)
-    _gate(summary)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -212,7 +212,7 @@ KERNEL_BENCH = {**_KERNEL_SIZES, **{f"smoke_shapes.{k}": v for k, v in _KERNEL_S
                 "shapes": LIST | NULL, "shapes.*": LIST, "shapes.*.*": POSITIVE, "dtype": TEXT, "draft": choice("full", "onehot"),
                 "temperature": number(0), "graph_replays": POSITIVE, "l2_bytes": COUNT,
                 "max_buffers": POSITIVE, "compile_ref": BOOL, "time_budget_s": SECONDS,
-                "check_seeds": LIST, "check_seeds.*": COUNT}
+                "check_seeds": LIST, "check_seeds.*": COUNT, "precompile": COUNT}
 
 _DATA = {**SAMPLING, "max_new_tokens": POSITIVE, "batch_size": POSITIVE, "split": choice(
          "eval", "train"), "topk": POSITIVE, "time_budget_s": SECONDS, "samples.*": POSITIVE,

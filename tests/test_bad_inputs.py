@@ -181,13 +181,6 @@ def test_the_schema_checks_plain_mappings_and_skips_absent_keys():
         check_config({"experiment": {"name": "decode", "top_k": 2.5}})
 
 
-def test_the_plain_kernel_bench_entry_checks_the_same_schema(tmp_path, capsys):
-    """``python -m experiments.kernel_bench`` reads the YAML without Hydra: same checks."""
-    from experiments import kernel_bench
-    assert kernel_bench.main(["--out", str(tmp_path), "--hardware", "cpu", "--set", "iters=2.5"]) == 2
-    assert capsys.readouterr().err.strip() == "error: experiment.iters must be an integer >= 1, got 2.5"
-
-
 @pytest.mark.parametrize("override,message", [
     ("experiment.top_k=2.5", "error: experiment.top_k must be an integer >= 0, got 2.5"),
     ("experiment.temperature=abc", "error: experiment.temperature must be a finite number >= 0, got 'abc'"),

@@ -10,19 +10,17 @@ the last-level cache. CPU: perf_counter; CUDA: torch.cuda.Event pairs.
 ``lowrank_triton_d/N`` (CUDA, B <= 16) runs the up projection through the Triton kernel of
 :mod:`flashspec.heads.triton_head` (the down projection stays F.linear).
 
-Needs torch only (no Hydra, OmegaConf, W&B, safetensors): ``python -m flashspec.analysis.head_bench``
-or ``python -m experiments.head_bench`` (same CLI).
+Run it as ``python run.py experiment=head_bench`` (experiments/head_bench.py maps the config
+onto :class:`BenchConfig`).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -366,49 +364,3 @@ def _series(rows: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
     present = {(r["kind"], r["batch"]) for r in rows}
     return {(k, b): colors[k] + styles[i % len(styles)] for k in colors
             for i, b in enumerate(batches) if (k, b) in present}
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES))
-    p.add_argument("--out", required=True, help="folder for head_bench.jsonl and the figure")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    p.add_argument("--rank-divs", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--shapes", nargs="+", default=None, help="d:V pairs, e.g. 576:49152")
-    p.add_argument("--budget-s", type=float, default=20.0)
-    p.add_argument("--min-rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads")
-    p.add_argument("--layout", default="out_in", choices=["out_in", "in_out"],
-                   help="weight storage: out_in = nn.Linear [out, in] row-major; in_out = transposed")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA: time CUDA-graph replays (device time without launch gaps)")
-    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA, B <= 16: also time lowrank_triton_d/N (Triton up projection)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="a few seconds, smallest shape")
-    return p.parse_args(argv)
-
-
-def config_from_args(a: argparse.Namespace) -> BenchConfig:
-    if a.smoke:
-        return replace(BenchConfig.smoke(a.device, a.dtype), layout=a.layout,
-                       cuda_graphs=a.cuda_graphs, triton=a.triton)
-    shapes = ([tuple(int(x) for x in s.split(":")) for s in a.shapes] if a.shapes
-              else [tuple(s) for s in SHAPES])
-    return BenchConfig(shapes=shapes, batches=a.batches, rank_divs=a.rank_divs, device=a.device,
-                       dtype=a.dtype, budget_s=a.budget_s, min_rounds=a.min_rounds,
-                       threads=a.threads, layout=a.layout, cuda_graphs=a.cuda_graphs,
-                       triton=a.triton, seed=a.seed)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    cfg = config_from_args(args)
-    summary = run_bench(cfg, args.out, {"cli": vars(args), "bench": asdict(cfg)})
-    print(json.dumps(summary))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
