@@ -1,8 +1,8 @@
 """Engine-level exactness gate: the whole decode loop on a small real model, short context.
 
-The target is SmolLM2 cut to its first two layers (real weights) and, but for the EAGLE case,
-to the first 8,192 tokens of its vocabulary plus the prompt's (the trained EAGLE drafter's head
-needs all 49,152); 2,000 rows keep the whole-engine check inside a CI budget (the 10,000-sample
+The target is SmolLM2 cut to its first two layers (real weights) and to the first 8,192 tokens
+of its vocabulary plus the prompt's (the trained EAGLE drafter's low-rank head cut to the same
+rows); 2,000 rows keep the whole-engine check inside a CI budget (the 10,000-sample
 gate runs at the verify level). The first generated token is gated against the exact warped target
 probabilities (KS + χ²); the pair (first, second token) of speculative decoding is compared
 with target-only sampling of the same engine by a χ² homogeneity test. Drafters: n-gram
@@ -45,25 +45,43 @@ def prompt_ids(tok) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """SmolLM2's first two layers with its whole vocabulary (what the trained EAGLE drafter's
-    head was fitted to)."""
-    model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("two"), n_layers=2)))
-    return model, prompt_ids(tok)
-
-
-@pytest.fixture(scope="module")
-def small_cut(tmp_path_factory):
-    """The same two layers over the first VOCAB_CUT tokens of the vocabulary plus the prompt's
-    (real embedding rows, renumbered): the gates' cost grows with V (LM head, warps, the
-    drafts' Gumbel noise over V), their power does not."""
+def cut_vocab():
+    """(kept token ids, PROMPT's ids): the first VOCAB_CUT tokens of the vocabulary plus the
+    prompt's."""
     from transformers import AutoTokenizer
     from test_engine import smollm2_dir
     prompt = prompt_ids(AutoTokenizer.from_pretrained(smollm2_dir()))
-    keep = sorted(set(range(VOCAB_CUT)) | set(prompt))
+    return sorted(set(range(VOCAB_CUT)) | set(prompt)), prompt
+
+
+@pytest.fixture(scope="module")
+def small_cut(tmp_path_factory, cut_vocab):
+    """SmolLM2's first two layers over the kept tokens (real embedding rows, renumbered): the
+    gates' cost grows with V (LM head, warps, the drafts' Gumbel noise over V), their power
+    does not."""
+    keep, prompt = cut_vocab
     model, _ = load_model(str(small_model_dir(tmp_path_factory.mktemp("cut"), n_layers=2,
                                               tokens=keep)))
     return model, [keep.index(t) for t in prompt]
+
+
+@pytest.fixture(scope="module")
+def eagle_cut(tmp_path_factory, cut_vocab) -> Path:
+    """The committed trained EAGLE drafter for small_cut: its low-rank head's W_up cut to the
+    kept rows (the drafter's own layers read features and embeddings, which have no V)."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    keep, _ = cut_vocab
+    with safe_open(str(EAGLE), "pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["head.w_up"] = tensors["head.w_up"][keep].contiguous()
+    target = json.loads(meta["target"])
+    meta["target"] = json.dumps({**target, "vocab_size": len(keep)})
+    path = tmp_path_factory.mktemp("eagle_cut") / "eagle_cut.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +135,11 @@ def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float
     return float(sps.chi2_contingency(table)[1])
 
 
-def arms_for(model, kind: str) -> tuple[list[Arm], list[Drafter]]:
-    """(arms, their drafters) of a gate ``kind``."""
+def arms_for(model, kind: str, eagle_path: Path | None = None
+             ) -> tuple[list[Arm], list[Drafter]]:
+    """(arms, their drafters) of a gate ``kind`` (``eagle_path``: the trained drafter's file)."""
     if kind in ("eagle", "eagletree"):  # the committed trained drafter (rank-72 head, full q)
-        eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(EAGLE),
+        eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(eagle_path),
                                    head=LowRankChoice(rank=72, init="trained"))
         assert isinstance(eagle.head, LowRankHead) and eagle.head.rank == 72
         if kind == "eagle":
@@ -162,15 +181,12 @@ def test_engine_output_distribution_is_the_targets(request, kind, temperature, t
         model, prompt, draft = request.getfixturevalue("qwen2_pair")
         arms, drafters = [Arm(draft.name, 2)], [draft]
     else:
-        model, prompt = request.getfixturevalue("small" if base == "eagletree" else "small_cut")
-        arms, drafters = arms_for(model, base)
+        model, prompt = request.getfixturevalue("small_cut")
+        arms, drafters = arms_for(model, base, request.getfixturevalue("eagle_cut")
+                                  if base == "eagletree" else None)
     policy = UCB1(len(arms), seed=0) if len(arms) > 1 else None
-    # a tree step holds [rows, nodes, V] float logits several times over (target, draft,
-    # warped) and the counter-based child draws hash [rows, frontier, V] int64 uniforms:
-    # smaller chunks keep a worker's memory a few GB (two workers share this 24 GB box)
-    chunk = CHUNK // 4 if base == "eagletree" else CHUNK
     spec = sample_pairs(model, prompt, arms, params, seed=1, policy=policy,
-                        graphs=mode == "static", resident=mode == "resident", chunk=chunk,
+                        graphs=mode == "static", resident=mode == "resident",
                         drafters=drafters)
     ar = target_only_pairs(model, prompt, params)
     with torch.inference_mode():
