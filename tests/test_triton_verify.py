@@ -364,7 +364,7 @@ def test_race_dominant_token(full_q):
         q = x[:, :1].clone()
         q[:, 0, 1] = 5.0
         q[:, 0, 2222] = 30.0                             # p > q at the winner
-    for seed in range(4):
+    for seed in range(2):
         for temp in (1.0, 0.5):
             ref = _same_both_merges(x, drafts, q, SamplingParams(temperature=temp), seed)
             assert (ref[0][:, 0] == 2222).all()
