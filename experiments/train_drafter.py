@@ -22,6 +22,7 @@ The drafter trained for sampling (T = 1 data, three unrolled passes, the accepta
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ def run(cfg) -> dict[str, Any]:
 
     ``experiment.heads=[full, d/8, ...]`` trains a twin group (:func:`run_twins`) instead of one
     drafter with the ``head`` group's choice."""
+    started = time.time()   # experiment.call_budget_s counts from here: loading and data included
     import torch
     from omegaconf import OmegaConf, open_dict
     from experiments.harness import build, load_target, run_dir
@@ -68,7 +70,8 @@ def run(cfg) -> dict[str, Any]:
                       train_head=bool(exp.get("train_head", False)),
                       resume=bool(exp.get("resume", False)),
                       save_every=int(exp.get("save_every") or 0),
-                      call_budget_s=exp.get("call_budget_s"), call_steps=exp.get("call_steps"))
+                      call_budget_s=exp.get("call_budget_s"), call_steps=exp.get("call_steps"),
+                      started_at=started)
     target, tokenizer = load_target(cfg)
     stored = cfg.copy()   # what the run directory is tied to: the run, not this call's limits
     with open_dict(stored):

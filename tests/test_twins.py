@@ -192,3 +192,15 @@ def test_head_tags_resolve_against_the_targets_d():
     assert [head_tag(h, 576) for h in ("full", "d/8", "d/16", "d/32", 40)] == \
         ["full", "r72", "r36", "r18", "r40"]
     assert [head_tag(h, 1536) for h in ("d/8", "d/16", "d/32")] == ["r192", "r96", "r48"]
+
+
+def test_a_calls_budget_counts_from_when_the_call_started(tmp_path):
+    """``call_budget_s`` counts from ``started_at`` (experiments/train_drafter.py passes its own
+    start, so loading the target and generating data count against a device call's limit)."""
+    from flashspec.training.run import call_stop
+    assert call_stop(job(tmp_path)) is None
+    assert call_stop(job(tmp_path, call_budget_s=60, started_at=1000.0)) == 1060.0
+    import time
+    before = time.time()
+    stop = call_stop(job(tmp_path, call_budget_s=60))   # no start given: from now
+    assert before + 60 <= stop <= time.time() + 60

@@ -53,6 +53,7 @@ class JobOptions:
     resume: bool = False            # continue from out_dir's saved state; skip finished drafters
     save_every: int = 0             # also save the state every this many steps (0: when pausing)
     call_budget_s: float | None = None  # this call pauses (state saved) after this long
+    started_at: float | None = None  # unix time call_budget_s counts from (None: the job's start)
     call_steps: int | None = None   # this call pauses after training this many steps
 
 
@@ -91,9 +92,17 @@ def prepare_head(head: nn.Module | None, trainable: bool) -> nn.Module | None:
 def run_job(target: LlamaLM, tokenizer, opts: JobOptions, head: nn.Module | None = None,
             logger: Any = None, provenance: dict[str, Any] | None = None) -> dict[str, Any]:
     """Generate/load data, train, write eagle_best / eagle_last checkpoints and records."""
-    stop_at = time.time() + opts.call_budget_s if opts.call_budget_s else None
+    stop_at = call_stop(opts)
     data = load_data(target, tokenizer, opts)
     return train_one(target, tokenizer, data, opts, head, logger, provenance, stop_at)
+
+
+def call_stop(opts: JobOptions) -> float | None:
+    """Unix time this call pauses at: ``call_budget_s`` after ``started_at`` (the process's
+    start, so loading the target and generating data count against a device call's limit)."""
+    if not opts.call_budget_s:
+        return None
+    return (opts.started_at if opts.started_at is not None else time.time()) + opts.call_budget_s
 
 
 def load_data(target: LlamaLM, tokenizer, opts: JobOptions) -> DistillData:
@@ -127,7 +136,7 @@ def run_twins(target: LlamaLM, tokenizer, opts: JobOptions, heads: list[Any], lo
     if opts.deadline is not None:
         raise FlashSpecError("a deadline ties the schedule to wall time; twins train by steps "
                              "(use call_budget_s to split the run into calls)")
-    stop_at = time.time() + opts.call_budget_s if opts.call_budget_s else None
+    stop_at = call_stop(opts)
     data = load_data(target, tokenizer, opts)
     out = Path(opts.out_dir)
     summaries: dict[str, dict[str, Any]] = {}
