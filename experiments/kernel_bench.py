@@ -32,7 +32,6 @@ from flashspec.verify import reference
 
 RECORDS = "kernel_bench.jsonl"
 FIGURE = "kernel_bench_speedup.png"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- inputs
