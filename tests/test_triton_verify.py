@@ -450,3 +450,21 @@ def test_race_block_masses_match_reference():
             want_m = torch.nn.functional.pad(want, pad).view(nb, -1).sum(-1)
             torch.testing.assert_close(got_m, want_m.cpu(), rtol=1e-5, atol=1e-12)
     assert (ref[1] < gamma).any() and (ref[1] == gamma).any()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="direct launch needs compiled kernels (CUDA, "
+                    "TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("fused", [True, False])
+def test_direct_launch_matches_reference(fused):
+    """runtime.kernels.direct_launch=true (cached compiled kernels launched without Triton's
+    binder) gives the reference's tokens and counts, with int and device seeds, every call after
+    the first going through the cached handles."""
+    options = KernelOptions(direct_launch=True)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    for batch, vocab in ((1, 32000), (8, 49152)):
+        x, drafts, q = make_case(gen, batch, 4, vocab, 1.0, True, torch.bfloat16, 3.0, 0.0, False)
+        for seed in (0, 1, torch.tensor(5, device=DEVICE), 7):
+            got = tb.launch(x, drafts, q, params, seed, fused=fused, options=options)
+            want = reference.verify(x, drafts, q, params, seed)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (batch, seed)
