@@ -138,12 +138,10 @@ def pair_homogeneity(a: np.ndarray, b: np.ndarray, min_count: int = 10) -> float
 def arms_for(model, kind: str, eagle_path: Path | None = None
              ) -> tuple[list[Arm], list[Drafter]]:
     """(arms, their drafters) of a gate ``kind`` (``eagle_path``: the trained drafter's file)."""
-    if kind in ("eagle", "eagletree"):  # the committed trained drafter (rank-72 head, full q)
+    if kind == "eagletree":  # the committed trained drafter (rank-72 head, full q)
         eagle = EagleDrafter.build(DraftContext(model), "eagle", checkpoint=str(eagle_path),
                                    head=LowRankChoice(rank=72, init="trained"))
         assert isinstance(eagle.head, LowRankHead) and eagle.head.rank == 72
-        if kind == "eagle":
-            return [Arm("eagle", 2)], [eagle]
         # the same drafter as a chain and as a draft tree, under a bandit
         return [Arm("eagle", 2), Arm("eagle", tree=TreeShape.parse("dyn4d2k2"))], [eagle]
     drafters = [NgramDrafter(max_ngram=2), ModelDrafter(model, [0], name="skip1")]

@@ -98,8 +98,9 @@ def run_job(target: LlamaLM, tokenizer, opts: JobOptions, head: nn.Module | None
 
 
 def call_stop(opts: JobOptions) -> float | None:
-    """Unix time this call pauses at: ``call_budget_s`` after ``started_at`` (the process's
-    start, so loading the target and generating data count against a device call's limit)."""
+    """Unix time this call pauses at: ``call_budget_s`` after ``started_at`` (the run's start
+    in experiments/train_drafter.py, so loading the target and generating data count against a
+    device call's limit), or after now when no start is given."""
     if not opts.call_budget_s:
         return None
     return (opts.started_at if opts.started_at is not None else time.time()) + opts.call_budget_s
