@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+QWEN_DRAFTER = ("tests/test_registry_models.py::"
+                "test_qwen_drafter_trains_and_runs_under_head_decode_and_decode")
 # Experiment configs whose smoke run another test makes (with the same assertions and more):
 # the glob(*) smoke test leaves them out instead of running them a second time.
 SMOKED_ELSEWHERE = {"train_drafter": "tests/test_eagle.py::test_train_drafter_smoke",
@@ -18,6 +20,7 @@ SMOKED_ELSEWHERE = {"train_drafter": "tests/test_eagle.py::test_train_drafter_sm
                    # a registry model CI never downloads: its smoke run is
                    "head_decode_qwen": "tests/test_registry_models.py::test_head_decode_qwen_smoke",
                    "head_decode_qwen05": "tests/test_registry_models.py::test_head_decode_qwen_smoke",
+                   "train_drafter_qwen": QWEN_DRAFTER, "head_decode_qwen_eagle": QWEN_DRAFTER,
                    "bench": "tests/test_bench.py::test_bench_smoke_every_method_equals_ar"}
 
 

@@ -216,3 +216,49 @@ def test_head_decode_qwen_smoke(tmp_path, experiment, models):
     heads = [r for r in recs if r.get("experiment") == "head_decode" and "nu" in r]
     assert {r["variant"] for r in heads} == {"full", "svd_d8", "svd_d16"}
     assert all(0 < r["nu"] for r in heads)
+
+
+@pytest.mark.slow
+def test_qwen_drafter_trains_and_runs_under_head_decode_and_decode(tmp_path):
+    """experiment=train_drafter_qwen at smoke size on the prepared 1.5B (skipped where it is
+    not prepared, as in CI) gives an EAGLE drafter with its rank-192 head, which
+    experiment=head_decode_qwen_eagle times against the full head (ν, κ on that drafter) and
+    drafters=qwen_eagle decodes greedily in fp32 with every arm equal to the target's AR."""
+    try:
+        registry_dir("qwen2.5-coder-1.5b")
+    except FlashSpecError:
+        pytest.skip("qwen2.5-coder-1.5b not prepared (python scripts/prepare_model.py "
+                    "qwen2.5-coder-1.5b)")
+    import json
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+
+    def app(*overrides: str, out: Path) -> list[dict]:
+        res = subprocess.run([sys.executable, "run.py", "logger=disabled", *overrides,
+                              f"hydra.run.dir={out}"], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=1800)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return [json.loads(line) for f in out.rglob("*.jsonl")
+                for line in f.read_text().splitlines() if line.strip()]
+
+    app("experiment=train_drafter_qwen", "smoke=true", out=tmp_path / "train")
+    ckpt = tmp_path / "train" / "eagle_best.safetensors"
+    meta = json.loads(ckpt.with_suffix(".json").read_text())
+    assert meta["head"]["rank"] == 192, meta["head"]   # d/8 of d = 1536
+
+    recs = app("experiment=head_decode_qwen_eagle", "smoke=true",
+               f"experiment.drafter.checkpoint={ckpt}", out=tmp_path / "heads")
+    heads = {r["variant"]: r for r in recs if r.get("experiment") == "head_decode" and "nu" in r}
+    assert set(heads) == {"full", "trained_d8", "svd_d8", "svd_d16"}
+    assert 0 < heads["trained_d8"]["nu"] < 1 and heads["trained_d8"]["kappa"] > 0
+
+    app("target=qwen2.5-coder-1.5b", "drafters=qwen_eagle", f"drafters.drafters.eagle_qwen.checkpoint={ckpt}",
+        "hardware.dtype=float32", "dataset.n_prompts=1", "dataset.max_new_tokens=12",
+        "experiment.methods=[ar,each_arm]", "bandit=fixed", out=tmp_path / "decode")
+    metrics = json.loads((tmp_path / "decode" / "job_metrics.json").read_text())
+    equal = {k: v for k, v in metrics.items() if k.endswith("/greedy_equal")}
+    assert {"arm/eagle_qwen@3/greedy_equal", "arm/ngram@3/greedy_equal"} <= set(equal)
+    assert all(v == 1 for v in equal.values()), equal

@@ -2,8 +2,9 @@
 # The Qwen2.5-Coder pair on a lent GPU (no network there). Its two registry GGUFs (1.1 GB and
 # 0.5 GB, prepared here by scripts/prepare_model.py) travel in 56 MB parts, one part per call, and
 # are joined and converted on /dev/shm; every measurement is a run.py job.
-#   bash scripts/device/qwen.sh split            # here: the parts, one directory per call,
-#                                                # under .device/qwen/<q15|q05>/dNN/
+#   bash scripts/device/qwen.sh split [q15|q05]  # here: the parts, one directory per call,
+#                                                # under .device/qwen/<q15|q05>/dNN/ (PART_BYTES,
+#                                                # 56 MB: 59 MB still fits with checkpoints/ aside)
 #   bash scripts/device/qwen.sh part q15 dNN     # there, once per part (carry .device/qwen/q15/dNN
 #                                                # alone, checkpoints/ moved aside: with the tracked
 #                                                # tree a part is over a call's 64 MiB); the same
@@ -11,6 +12,13 @@
 #   bash scripts/device/qwen.sh setup            # join, check the pins, convert (~4 min)
 #   S=<a seed no record used> bash scripts/device/qwen.sh he mt gsm fp32 nf4 heads
 #                                                # carry .whl, .bnb (nf4) and .cache/data
+#   S=<seed> bash scripts/device/qwen.sh train   # an EAGLE drafter for the 1.5B (1.5B parts
+#                                                # only): experiment=train_drafter_qwen, one
+#                                                # call-sized piece per call (repeat until its
+#                                                # log says finished); then the stages eagle
+#                                                # (head_decode_qwen_eagle: ν, κ on that drafter)
+#                                                # and eagle_he / eagle_mt (decode vs AR, greedy
+#                                                # and T = 1). HW=h100 on a lent H100.
 # Stages: he/mt/gsm (AR, HF generate eager + compiled on he, the 0.5B draft LM at γ 2-5, prompt
 # lookup, UCB1 over them; 24 prompts), fp32 (greedy equality of every arm in fp32), nf4 (the
 # 1.5B in NF4 beside bf16: bitsandbytes from a carried wheel in .bnb/), heads
@@ -23,12 +31,13 @@ mkdir -p "$OUT"
 MODELS="qwen2.5-coder-1.5b:q15 qwen2.5-coder-0.5b:q05"
 case ${1:-} in
   split)
+    [ -n "${2:-}" ] && MODELS=$(echo $MODELS | tr ' ' '\n' | grep ":$2$")
     PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
     for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
       src=$(PYTHONPATH=$PWD $PY scripts/prepare_model.py "$name" --where) || exit 1
       [ -f "$src" ] || { echo "$name not prepared: python scripts/prepare_model.py $name" >&2; exit 1; }
       rm -rf "$PARTS/$tag" && mkdir -p "$PARTS/$tag/tmp"
-      split -b 56000000 -d -a 2 "$src" "$PARTS/$tag/tmp/p"
+      split -b ${PART_BYTES:-56000000} -d -a 2 "$src" "$PARTS/$tag/tmp/p"
       for f in "$PARTS/$tag"/tmp/p*; do d="$PARTS/$tag/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done
       rmdir "$PARTS/$tag/tmp"; echo "$name: $(ls "$PARTS/$tag" | wc -l) parts in $PARTS/$tag"
     done; exit 0;;
@@ -42,8 +51,11 @@ if [ -d .bnb ] && [ ! -d /tmp/site/bitsandbytes ]; then
 fi
 export PYTHONPATH=/tmp/site:$PYTHONPATH HYDRA_FULL_ERROR=1
 S=${S:?set S to a prompt draw no committed record used}
+HW=${HW:-h200}
 R=/tmp/qwen_runs; mkdir -p $R
-BASE="python3 run.py hardware=h200 target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
+QD=/dev/shm/qwen_drafter           # the drafter's run dir and data cache (~160 MB checkpoint: it
+DRAFTER=$QD/train/eagle_best.safetensors   # stays on the box; its records and .json come back)
+BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
 DEC="$BASE drafters=qwen_coder experiment.references=[each_arm] bandit=ucb1"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
 stage() {
@@ -65,9 +77,24 @@ stage() {
              'drafters.arms=[[coder05b,3],[ngram,3]]' bandit=fixed \
              $([ $q = nf4 ] && echo hardware.quantization=nf4) hydra.run.dir=$R/$q || return 1
          done;;
+    train) python3 run.py experiment=train_drafter_qwen hardware=$HW runtime=resident logger=disabled \
+             seed=${TS:-$S} experiment.resume=true experiment.call_budget_s=${BUDGET:-540} \
+             output_dir=$QD/train experiment.cache_dir=$QD/data; rc=$?
+           mkdir -p $R/train_drafter_qwen && cp $QD/train/*.json* $R/train_drafter_qwen/ 2>/dev/null
+           return $rc;;
+    eagle) $BASE experiment=head_decode_qwen_eagle experiment.drafter.checkpoint=$DRAFTER \
+             hydra.run.dir=$R/head_decode_qwen_eagle;;
+    eagle_he|eagle_mt)
+           ds=$([ $1 = eagle_he ] && echo humaneval || echo mtbench)
+           for t in 0.0 1.0; do
+             $BASE drafters=qwen_eagle drafters.drafters.eagle_qwen.checkpoint=$DRAFTER dataset=$ds \
+               experiment.temperature=$t experiment.references=[each_arm] bandit=ucb1 \
+               'experiment.methods=[ar,spec,each_arm]' \
+               hydra.run.dir=$R/${1}_t${t%.0} || return 1
+           done;;
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen &&
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_he eagle_mt)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
