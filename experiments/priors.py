@@ -15,8 +15,8 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from flashspec.bandits import Policy
-from flashspec.bandits.priors import (PriorKey, Priors, arm_stats, describe_miss, load_priors,
-                                      save_priors)
+from flashspec.bandits.priors import (ArmStats, PriorKey, Priors, arm_stats, describe_miss,
+                                      load_priors, save_priors)
 from flashspec.data import Prompt
 from flashspec.metrics import method_records
 from flashspec.paths import repo_path
@@ -79,10 +79,16 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
 
 
 def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_methods: dict[int, str],
-             spec: str | None) -> dict[str, dict[str, Any]]:
-    """Per prompt domain, each arm's per-step rewards and mean step seconds: from the arm's
-    records played alone (``arm_methods``: arm index -> method; the unbiased estimate) where
-    the job ran it, else from the steps the policy's method (``spec``) played it."""
+             spec: str | None, reward: str = "alpha") -> dict[str, dict[str, Any]]:
+    """Per prompt domain, each arm's stats: from the arm's records played alone
+    (``arm_methods``: arm index -> method; the unbiased estimate) where the job ran it, else
+    from the steps the policy's method (``spec``) played it.
+
+    The mean is the mean per-step reward, except for ``reward="tps"`` on an arm played alone:
+    then it is the arm's pooled rate, decoded tokens / decode seconds, which is what a rate
+    policy (:class:`~flashspec.bandits.rate.RateStats`) estimates. The mean of per-step tok/s
+    is biased upward, most for the arms whose steps vary most (prompt lookup: cheap steps that
+    now and then accept a whole draft), and would rank the arms wrongly."""
     domains = sorted({r["domain"] for r in records if r.get("domain") is not None})
     out: dict[str, dict[str, Any]] = {}
     for d in domains:
@@ -93,6 +99,11 @@ def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_metho
                 steps = sum(r["steps"] for r in recs)
                 cost = sum(r["decode_s"] for r in recs) / steps if steps else None
                 rewards = [x for r in recs for x in r.get("rewards") or []]
+                seconds = sum(r["decode_s"] for r in recs)
+                if reward == "tps" and rewards and seconds > 0:
+                    stats[label] = ArmStats(len(rewards),
+                                            sum(r["n_new_tokens"] for r in recs) / seconds, cost)
+                    continue
             else:   # only where every step has its reward: arms and rewards then align
                 recs = [r for r in method_records(records, spec or "") if r["domain"] == d
                         and len(r.get("arms") or []) == len(r.get("rewards") or [])]
@@ -114,7 +125,7 @@ def save(cfg: DictConfig, records: list[dict[str, Any]], arm_labels: Sequence[st
     save_to = conf.get("save") if not cfg.get("smoke") else None   # a smoke run's few steps
     dirs = [run_path / DIR] + ([repo_path(save_to)] if save_to else [])   # stay in its dir
     written = []
-    for domain, stats in measured(records, arm_labels, arm_methods, spec).items():
+    for domain, stats in measured(records, arm_labels, arm_methods, spec, reward).items():
         if not any(s.pulls for s in stats.values()):
             continue
         data = cfg.get("dataset") or {}

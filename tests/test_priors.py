@@ -98,6 +98,33 @@ def test_warm_start_cuts_early_regret_and_still_adapts(name):
     assert wrong > 0.8 and wrong > cold - 0.05, (wrong, cold)
 
 
+@pytest.mark.parametrize("name", ["ucb1", "thompson"])
+def test_a_prior_measured_on_a_faster_box_keeps_its_ranking(name):
+    """Priors in tok/s from a run 3x faster than this one (a CPU box's speed moves that much
+    from day to day): after a few steps of the prior's best arm at this run's speed, the policy
+    stays on it. Read in the prior's own unit, every arm not yet played would look 3x better
+    than the one being played, and the policy would leave the best arm to try them all."""
+    from flashspec.bandits.rate import RateStats
+    policy = (UCB1 if name == "ucb1" else ThompsonSampling)(3, seed=0, reward="tps", min_pulls=2)
+    truth = np.array([30.0, 25.0, 20.0])                  # this run's tok/s, the prior's ranking
+    policy.warm_start([200] * 3, 3 * truth, [0.05] * 3, weight=200)
+    rng = np.random.default_rng(0)
+    picks = []
+    for _ in range(60):
+        arm = policy.select()
+        picks.append(arm)
+        policy.update(arm, truth[arm] * rng.uniform(0.8, 1.2), 0.05)
+    assert np.mean(np.array(picks) == 0) > 0.9, picks
+    assert policy.rates.rate()[0] == pytest.approx(truth, rel=0.1)
+    # the scale is the run's own: the same steps with a prior in this run's unit rank alike
+    stats = RateStats((1, 2))
+    stats.seed(np.array([10.0, 10.0]), np.array([90.0, 60.0]), np.array([0.1, 0.1]))
+    assert stats.speed()[0, 0] == 1.0                     # nothing observed: the prior's unit
+    stats.observe(np.array([[45.0, np.nan]]), np.array([[0.1, np.nan]]))
+    assert stats.speed()[0, 0] == pytest.approx(0.5)
+    assert stats.rate()[0].tolist() == pytest.approx([45.0, 30.0])
+
+
 def test_warm_start_guards():
     policy = UCB1(3, seed=[0, 1])
     policy.warm_start([5, 50, 0], [0.5, 0.6, 0.7], weight=20)
@@ -164,6 +191,12 @@ def test_decode_job_writes_what_each_arm_measured(tmp_path):
                rec("spec:bandit:ucb1", "code", [0, 1, 1], [0.9, 0.2, 0.4])]
     out = carried.measured(records, ["a@2", "n@3"], {0: "spec:a@2"}, "spec:bandit:ucb1")
     assert out["code"]["a@2"] == ArmStats(3, 0.5, 0.1)
+    # a tok/s prior of an arm played alone is its pooled rate, tokens / seconds, not the mean of
+    # per-step tok/s (biased up by cheap lucky steps)
+    tps = [{**r, "n_new_tokens": 6, "rewards": [40.0, 5.0] if r["domain"] == "code" else [1.0]}
+           for r in records[:3]] + records[3:]
+    rate = carried.measured(tps, ["a@2", "n@3"], {0: "spec:a@2"}, "spec:bandit:ucb1", "tps")
+    assert rate["code"]["a@2"] == ArmStats(4, 12 / 0.8, 0.1)
     assert out["code"]["n@3"].pulls == 2 and out["code"]["n@3"].mean == pytest.approx(0.3)
     assert out["chat"]["a@2"] == ArmStats(1, 0.25, 0.1) and out["chat"]["n@3"].pulls == 0
     cfg = composed("bandit=ucb1", f"priors.save={tmp_path / 'store'}")

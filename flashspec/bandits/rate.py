@@ -26,20 +26,28 @@ class RateStats:
     arm out for good).
 
     Priors (:meth:`seed`) add pseudo-steps to the estimate and to n but not to the residuals: a
-    stored mean says where the rate is and how much evidence backs it, the variance is learned
-    from this run's steps. ``discount`` < 1 fades every sum by that factor per update (a memory
-    of about 1 / (1 − discount) steps)."""
+    stored rate says where the arm stands and how much evidence backs it, the variance is learned
+    from this run's steps. What carries over from another run is how the arms compare, not
+    their absolute speed: a CPU box runs several-fold faster or slower from one day to the next,
+    and a prior in yesterday's tok/s would make every arm this run has not played yet look
+    better (or worse) than the ones it has. So the pseudo-steps are scaled by this run's speed
+    against the prior's, s = Σ_k x_k / Σ_k c_k·R_k over the arms observed so far (x_k, c_k
+    this run's sums; R_k the arm's prior rate; 1 before any step): the prior keeps its ranking
+    and its weight and takes this machine's unit. ``discount`` < 1 fades every sum by that
+    factor per update (a memory of about 1 / (1 − discount) steps)."""
 
     def __init__(self, shape: tuple[int, int], prior_weight: float = 1.0,
                  discount: float = 1.0) -> None:
         self.prior_weight, self.discount = float(prior_weight), float(discount)
         self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc = (
             np.zeros(shape) for _ in range(7))
+        self.prior_x, self.prior_c = np.zeros(shape), np.zeros(shape)   # pseudo-steps (seed)
 
     def observe(self, r: np.ndarray, c: np.ndarray) -> None:
         """One round: ``r`` rewards and ``c`` costs, NaN where an arm was not observed."""
         if self.discount < 1.0:
-            for sums in (self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc):
+            for sums in (self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc,
+                         self.prior_x, self.prior_c):
                 sums *= self.discount
         seen = ~np.isnan(r)
         x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
@@ -53,13 +61,25 @@ class RateStats:
         self.cc += cost * cost
 
     def seed(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
-        """``n[k]`` pseudo-steps of reward ``mean[k]`` at cost ``cost[k]``."""
+        """``n[k]`` pseudo-steps of rate ``mean[k]`` at cost ``cost[k]`` (scaled by
+        :meth:`speed` when read)."""
         self.n += n
-        self.x += n * mean * cost
-        self.c += n * cost
+        self.prior_x += n * mean * cost
+        self.prior_c += n * cost
+
+    def speed(self) -> np.ndarray:
+        """``[envs, 1]``: this run's speed against the priors', over the arms observed that have
+        a prior (1 where none is)."""
+        prior_rate = np.divide(self.prior_x, self.prior_c, out=np.zeros_like(self.prior_x),
+                               where=self.prior_c > 0)
+        both = (self.c > 0) & (self.prior_c > 0)
+        expected = (np.where(both, self.c, 0.0) * prior_rate).sum(axis=1, keepdims=True)
+        got = np.where(both, self.x, 0.0).sum(axis=1, keepdims=True)
+        return np.divide(got, expected, out=np.ones_like(got), where=expected > 0)
 
     def rate(self) -> np.ndarray:
-        return np.divide(self.x, self.c, out=np.zeros_like(self.x), where=self.c > 0)
+        x, c = self.x + self.speed() * self.prior_x, self.c + self.prior_c
+        return np.divide(x, c, out=np.zeros_like(x), where=c > 0)
 
     def sd(self) -> np.ndarray:
         """Standard error of the rate (0 where fewer than two steps back it)."""
@@ -68,8 +88,9 @@ class RateStats:
         dof = np.maximum(self.seen - 1.0, 0.0)
         pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
         sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
-        var = np.divide(self.n * sigma2, self.c ** 2, out=np.zeros_like(resid),
-                        where=(self.n > 1) & (self.c > 0))
+        c = self.c + self.prior_c
+        var = np.divide(self.n * sigma2, c ** 2, out=np.zeros_like(resid),
+                        where=(self.n > 1) & (c > 0))
         return np.sqrt(var)
 
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
