@@ -97,9 +97,9 @@ def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_metho
             if i in arm_methods:
                 recs = [r for r in method_records(records, arm_methods[i]) if r["domain"] == d]
                 steps = sum(r["steps"] for r in recs)
-                cost = sum(r["decode_s"] for r in recs) / steps if steps else None
-                rewards = [x for r in recs for x in r.get("rewards") or []]
                 seconds = sum(r["decode_s"] for r in recs)
+                cost = seconds / steps if steps else None
+                rewards = [x for r in recs for x in r.get("rewards") or []]
                 if reward == "tps" and rewards and seconds > 0:
                     stats[label] = ArmStats(len(rewards),
                                             sum(r["n_new_tokens"] for r in recs) / seconds, cost)

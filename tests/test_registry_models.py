@@ -230,19 +230,12 @@ def test_qwen_drafter_trains_and_runs_under_head_decode_and_decode(tmp_path):
         pytest.skip("qwen2.5-coder-1.5b not prepared (python scripts/prepare_model.py "
                     "qwen2.5-coder-1.5b)")
     import json
-    import os
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    from test_app import records_in, run_app
 
     def app(*overrides: str, out: Path) -> list[dict]:
-        res = subprocess.run([sys.executable, "run.py", "logger=disabled", *overrides,
-                              f"hydra.run.dir={out}"], cwd=root, env=env, capture_output=True,
-                             text=True, timeout=1800)
+        res = run_app("logger=disabled", *overrides, f"hydra.run.dir={out}", timeout=1800)
         assert res.returncode == 0, res.stderr[-3000:]
-        return [json.loads(line) for f in out.rglob("*.jsonl")
-                for line in f.read_text().splitlines() if line.strip()]
+        return records_in(out)
 
     app("experiment=train_drafter_qwen", "smoke=true", out=tmp_path / "train")
     ckpt = tmp_path / "train" / "eagle_best.safetensors"

@@ -56,7 +56,8 @@ R=/tmp/qwen_runs; mkdir -p $R
 QD=/dev/shm/qwen_drafter           # the drafter's run dir and data cache (~160 MB checkpoint: it
 DRAFTER=$QD/train/eagle_best.safetensors   # stays on the box; its records and .json come back)
 BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
-DEC="$BASE drafters=qwen_coder experiment.references=[each_arm] bandit=ucb1"
+ARMS="experiment.references=[each_arm] bandit=ucb1"   # every arm alone beside UCB1 over them
+DEC="$BASE drafters=qwen_coder $ARMS"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
 stage() {
   case $1 in
@@ -88,8 +89,7 @@ stage() {
            ds=$([ $1 = eagle_he ] && echo humaneval || echo mtbench)
            for t in 0.0 1.0; do
              $BASE drafters=qwen_eagle drafters.drafters.eagle_qwen.checkpoint=$DRAFTER dataset=$ds \
-               experiment.temperature=$t experiment.references=[each_arm] bandit=ucb1 \
-               'experiment.methods=[ar,spec,each_arm]' \
+               experiment.temperature=$t $ARMS 'experiment.methods=[ar,spec,each_arm]' \
                hydra.run.dir=$R/${1}_t${t%.0} || return 1
            done;;
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen &&
