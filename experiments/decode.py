@@ -115,6 +115,19 @@ def spec_name(arms: list[Arm], policy: Policy) -> str:
 
 
 @dataclass
+class Learner:
+    """Policies over one arm list whose priors a job reads before its first step and writes at
+    its end (experiments/priors.py): ``alone`` maps an arm index to the method that plays that
+    arm alone in this job (the unbiased measure of it), ``spec`` the method the first policy
+    plays (its steps measure the arms no method plays alone)."""
+
+    policies: list[Policy]
+    arm_labels: list[str]
+    alone: dict[int, str]
+    spec: str | None
+
+
+@dataclass
 class Plan:
     """The methods of one decode job and what each one is for.
 
@@ -140,6 +153,13 @@ class Plan:
     reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
     named: list[str] = field(default_factory=list)   # experiment=bench: role = method name
     named_arms: dict[str, list[str]] = field(default_factory=dict)   # bench method -> arm labels
+    bench_learners: list["Learner"] = field(default_factory=list)   # bench methods that learn
+
+    def learners(self) -> list["Learner"]:
+        """Every learning policy group of the job, for the priors store: the configured
+        policies over the drafter set's arms, then each learning bench method."""
+        own = [Learner(self.policies, self.arm_names, self.arms, self.spec)] if self.policies else []
+        return own + self.bench_learners
 
     @property
     def arm_names(self) -> list[str]:
@@ -234,8 +254,10 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
     ctx = draft_context(cfg, target, tokenizer)
     drafters = build_drafters(cfg.drafters, ctx)
     plan = Plan(methods=[], policy_arms=[])
+    runtimes = {}
     for name, spec in specs.items():
         m = bench_method(cfg, name, spec)
+        runtimes[name] = m.runtime
         try:
             arms = build_arms({"arms": spec.arms}, drafters)
         except FlashSpecError as e:
@@ -246,6 +268,13 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
         if name != "ar":
             plan.named.append(name)
             plan.named_arms[name] = [a.label for a in arms]
+        if m.policy is not None and m.policy.learns:
+            plan.bench_learners.append(Learner([m.policy], [a.label for a in arms], {}, name))
+    for ln in plan.bench_learners:   # each arm alone: the first one-arm method of its runtime
+        for i, label in enumerate(ln.arm_labels):
+            ln.alone.update({i: other for other in reversed(plan.named)
+                             if plan.named_arms[other] == [label]
+                             and runtimes[other] == runtimes[ln.spec]})
     return plan
 
 
@@ -503,7 +532,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         # priors (experiments/priors.py): policies start from the store before any step,
         # warm-up included; what this job measured is written at the end
         from experiments import priors as carried
-        started = carried.warm_start(cfg, plan.policies, plan.arm_names, prompts)
+        started = {k: v for ln in plan.learners()
+                   for k, v in carried.warm_start(cfg, ln.policies, ln.arm_labels, prompts).items()}
         if started:
             run.provenance["priors"] = started
         done = run.done_keys("method", "prompt_id", "turn")
@@ -545,9 +575,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         from flashspec.records import read_records
         records = list(read_records(run.writer.path, experiment="decode"))
         _remember(records, keys, prompts, str(run.path))
-        if plan.policies:
-            carried.save(cfg, records, plan.arm_names, plan.arms, plan.spec,
-                         plan.policies[0].reward_kind, run.path)
+        for ln in plan.learners():
+            carried.save(cfg, records, ln.arm_labels, ln.alone, ln.spec,
+                         ln.policies[0].reward_kind, run.path)
         rows = summarize(records)
         log.info("records: %s\n%s", run.writer.path, format_table(rows))
         cmp = bandit_vs_fixed(records)

@@ -35,6 +35,9 @@ def prior_key(cfg: DictConfig, arm_labels: Sequence[str], domain: str, reward: s
     drafters = OmegaConf.to_container(cfg.drafters, resolve=True)
     sampling = "greedy" if float(exp.temperature) == 0 else \
         f"T{float(exp.temperature):g},k{int(exp.top_k)},p{float(exp.top_p):g}"
+    batch = int(exp.get("batch_size") or 1)
+    if batch > 1:   # a step's cost, and so an arm's rate, depends on the rows it verifies
+        sampling += f",B{batch}"
     return PriorKey(target=f"{t.source}/{t.dtype}/{t.get('quantization') or 'none'}",
                     hardware=str(cfg.hardware.name), domain=str(domain), reward=reward,
                     arms=tuple(arm_labels), sampling=sampling,
@@ -100,8 +103,8 @@ def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_metho
                 seconds = sum(r["decode_s"] for r in recs)
                 cost = seconds / steps if steps else None
                 rewards = [x for r in recs for x in r.get("rewards") or []]
-                if reward == "tps" and rewards and seconds > 0:
-                    stats[label] = ArmStats(len(rewards),
+                if reward == "tps" and steps and seconds > 0:   # the rate needs no per-step list
+                    stats[label] = ArmStats(len(rewards) or steps,
                                             sum(r["n_new_tokens"] for r in recs) / seconds, cost)
                     continue
             else:   # only where every step has its reward: arms and rewards then align

@@ -57,6 +57,14 @@ def test_bench_smoke_every_method_equals_ar(tmp_path):
     assert job["bandit/best_fixed"] == best
     assert job["bandit/vs_best_fixed"] == pytest.approx(job["bandit/tps"] / job[f"{best}/tps"])
     assert "tree_planner/vs_best_fixed" not in job   # one arm: nothing to compare with
+    # the learning method's priors: each of its arms measured by the method playing it alone
+    (stored,) = [json.loads(p.read_text()) for p in (tmp_path / "priors").glob("*.json")]
+    assert stored["key"]["reward"] == "tps" and stored["key"]["domain"] == "code"
+    tree_label = (set(stored["arms"]) - {"eagle_v5@3", "eagle_v5@4"}).pop()
+    for m, label in [("chain_g3", "eagle_v5@3"), ("chain_g4", "eagle_v5@4"), ("tree", tree_label)]:
+        recs = [r for r in records if r["method"] == m]
+        rate = sum(r["n_new_tokens"] for r in recs) / sum(r["decode_s"] for r in recs)
+        assert stored["arms"][label]["mean"] == pytest.approx(rate), (m, stored)
 
 
 def test_a_methods_own_choices_reach_its_engine():

@@ -159,6 +159,9 @@ def test_decode_job_warm_starts_from_its_key_only(tmp_path, caplog):
     labels = [a.label for a in config_arms(cfg.drafters)]
     k = carried.prior_key(cfg, labels, "code", "alpha")
     assert k.target == "smollm2/float32/none" and k.hardware == "cpu" and k.sampling == "greedy"
+    # a batch's step costs more than one row's: rates at B = 4 are another setting
+    assert carried.prior_key(composed("experiment.batch_size=4"), labels, "code",
+                             "alpha").sampling == "greedy,B4"
     assert carried.prior_key(composed("head.rank=d/16"), labels, "code", "alpha").drafters \
         != k.drafters
     means = np.linspace(0.3, 0.9, len(labels))
@@ -197,6 +200,11 @@ def test_decode_job_writes_what_each_arm_measured(tmp_path):
            for r in records[:3]] + records[3:]
     rate = carried.measured(tps, ["a@2", "n@3"], {0: "spec:a@2"}, "spec:bandit:ucb1", "tps")
     assert rate["code"]["a@2"] == ArmStats(4, 12 / 0.8, 0.1)
+    # a method that plays the arm alone without a policy (experiment=bench) keeps no per-step
+    # rewards: the rate and its steps come from the records' totals
+    bare = [{k: v for k, v in r.items() if k != "rewards"} for r in tps[:3]]
+    assert carried.measured(bare, ["a@2", "n@3"], {0: "spec:a@2"}, None, "tps")["code"]["a@2"] \
+        == ArmStats(8, 12 / 0.8, 0.1)
     assert out["code"]["n@3"].pulls == 2 and out["code"]["n@3"].mean == pytest.approx(0.3)
     assert out["chat"]["a@2"] == ArmStats(1, 0.25, 0.1) and out["chat"]["n@3"].pulls == 0
     cfg = composed("bandit=ucb1", f"priors.save={tmp_path / 'store'}")

@@ -69,6 +69,7 @@ def test_leading_dims_and_strided_input_are_kept():
     assert_matches(y.reshape(6, 257), x, w)
     wide = torch.randn(3, 80, device=DEVICE)[:, ::2]      # non-contiguous rows (stride 2)
     assert_matches(th.skinny_matmul(wide, w), wide, w)
+    assert_matches(th.skinny_matmul(wide[1:2], w), wide[1:2], w)        # one row: the GEMV path
 
 
 def test_a_wrong_result_is_caught():
@@ -102,9 +103,9 @@ def test_supports_rejects_what_the_kernel_cannot_do():
 
 
 def test_default_config_tiles():
-    one = th.default_config(1, 512)
-    assert (one.block_n, one.block_k) == (32, 512)
-    assert th.default_config(1, 72).block_k == 128 and th.default_config(1, 4096).block_k == 512
+    one = th.default_config(1, 192)                                      # Qwen's d/8 rank
+    assert one.block_k == 64 and 192 % one.block_k == 0 and one.block_n >= 16
+    assert th.default_config(1, 24).block_k == 32 and th.default_config(1, 4096).block_k == 64
     dot = th.default_config(16, 37)
     assert dot.block_k == 64 and dot.block_n >= 16
 

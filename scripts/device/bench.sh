@@ -13,7 +13,9 @@
 #                                                  # calls works with no change between them)
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
 #                                                  # carry .whl and .cache/data; on a lent H100
-#                                                  # add HW=h100 (the profile cell then checks a100)
+#                                                  # add HW=h100 (the profile cell then checks a100);
+#                                                  # EXTRA="k=v ..." adds overrides to every model
+#                                                  # cell (priors.save=DIR, priors.path=DIR)
 # Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
 # CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
@@ -39,7 +41,7 @@ if [ -n "$(echo " $* " | grep -E ' (greedy|t1|b32|profile|trees|hf) ')" ] || [ $
 fi
 HW=${HW:-h200}                      # the card lent: h200 | h100 (the resident loop on either)
 ALT=$([ "$HW" = h100 ] && echo a100 || echo h100)   # another CUDA profile for the profile cell
-ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED"
+ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED ${EXTRA:-}"
 one() {
   case $1 in
     greedy) python3 run.py -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;

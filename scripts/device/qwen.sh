@@ -17,8 +17,11 @@
 #                                                # call-sized piece per call (repeat until its
 #                                                # log says finished); then the stages eagle
 #                                                # (head_decode_qwen_eagle: ν, κ on that drafter)
-#                                                # and eagle_he / eagle_mt (decode vs AR, greedy
-#                                                # and T = 1). HW=h100 on a lent H100.
+#                                                # and eagle_he / eagle_mt / eagle_gsm (decode vs
+#                                                # AR, greedy and T = 1); HW (h100, h200) is read
+#                                                # from nvidia-smi unless set.
+#   bash scripts/device/qwen.sh ckpt N           # there, N = 0, 1, 2: the trained drafter back
+#                                                # in 16 MB pieces (cat c* here; ckpt.sha256)
 # Stages: he/mt/gsm (AR, HF generate eager + compiled on he, the 0.5B draft LM at γ 2-5, prompt
 # lookup, UCB1 over them; 24 prompts), fp32 (greedy equality of every arm in fp32), nf4 (the
 # 1.5B in NF4 beside bf16: bitsandbytes from a carried wheel in .bnb/), heads
@@ -44,6 +47,12 @@ case ${1:-} in
   part)
     mkdir -p "/dev/shm/qwen_parts/$2" && cp "$PARTS/$2/$3"/p* "/dev/shm/qwen_parts/$2/" &&
       echo "$2: $(ls "/dev/shm/qwen_parts/$2" | wc -l) parts on the box"; exit;;
+  ckpt)   # there: piece N (0, 1, 2) of the trained drafter into $OUT, four 16 MB files a call
+    f=${DRAFTER:-/dev/shm/qwen_drafter/train/eagle_best.safetensors}
+    mkdir -p /dev/shm/ckpt_parts && [ -f /dev/shm/ckpt_parts/c00 ] || split -b 16000000 -d -a 2 "$f" /dev/shm/ckpt_parts/c
+    [ "$2" = 0 ] && sha256sum "$f" | tee "$OUT/ckpt.sha256"
+    for i in 0 1 2 3; do n=$(printf %02d $(( $2 * 4 + i ))); [ -f /dev/shm/ckpt_parts/c$n ] && cp /dev/shm/ckpt_parts/c$n "$OUT/"; done
+    ls -la "$OUT"; exit;;
 esac
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, model cache on /dev/shm
 if [ -d .bnb ] && [ ! -d /tmp/site/bitsandbytes ]; then
@@ -51,10 +60,11 @@ if [ -d .bnb ] && [ ! -d /tmp/site/bitsandbytes ]; then
 fi
 export PYTHONPATH=/tmp/site:$PYTHONPATH HYDRA_FULL_ERROR=1
 S=${S:?set S to a prompt draw no committed record used}
-HW=${HW:-h200}
+HW=${HW:-$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)}
 R=/tmp/qwen_runs; mkdir -p $R
 QD=/dev/shm/qwen_drafter           # the drafter's run dir and data cache (~160 MB checkpoint: it
-DRAFTER=$QD/train/eagle_best.safetensors   # stays on the box; its records and .json come back)
+DRAFTER=${DRAFTER:-$QD/train/eagle_best.safetensors}  # stays on the box (the stage ckpt brings
+                                   # it back in pieces); its records and .json come back)
 BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
 ARMS="experiment.references=[each_arm] bandit=ucb1"   # every arm alone beside UCB1 over them
 DEC="$BASE drafters=qwen_coder $ARMS"
@@ -85,16 +95,17 @@ stage() {
            return $rc;;
     eagle) $BASE experiment=head_decode_qwen_eagle experiment.drafter.checkpoint=$DRAFTER \
              hydra.run.dir=$R/head_decode_qwen_eagle;;
-    eagle_he|eagle_mt)
-           ds=$([ $1 = eagle_he ] && echo humaneval || echo mtbench)
+    eagle_he|eagle_mt|eagle_gsm)
+           ds=$(case $1 in eagle_he) echo humaneval;; eagle_mt) echo mtbench;; *) echo gsm8k;; esac)
            for t in 0.0 1.0; do
              $BASE drafters=qwen_eagle drafters.drafters.eagle_qwen.checkpoint=$DRAFTER dataset=$ds \
                experiment.temperature=$t $ARMS 'experiment.methods=[ar,spec,each_arm]' \
                hydra.run.dir=$R/${1}_t${t%.0} || return 1
            done;;
-    heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen &&
+    heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen || return 1
+           [ -d /dev/shm/qwen_parts/q05 ] || { echo "no 0.5B on the box: head_decode_qwen05 skipped"; return 0; }
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_he eagle_mt)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_he eagle_mt eagle_gsm)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
