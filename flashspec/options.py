@@ -41,7 +41,8 @@ class KernelOptions:
         of a shape; CUDA only (ignored by the interpreter). Opt-in: it relies on Triton's
         launcher convention (all parameters, constexprs included, in signature order).
     head_triton: the low-rank head's up projection runs the Triton skinny matmul on CUDA
-        (<= 16 rows, no autograd). Off: where it was timed, cuBLAS was faster (RESULTS.md).
+        (<= 16 rows, no autograd). Off by default: turn it on where experiment=head_bench
+        times it below cuBLAS at the drafter's shape (docs/heads.md).
     """
 
     fuse_topk_on_cuda: bool = False

@@ -253,6 +253,11 @@ def test_bench_rotates_weight_copies_and_sizes_them_past_the_cache():
     assert seen == [0, 1, 2, 0, 1, 2, 0]
     assert n_copies(10 << 20, 64 << 20, 64) == 7 and n_copies(1 << 30, 64 << 20, 64) == 1
     assert n_copies(1, 64 << 20, 64) == 64
+    # a captured graph: enough calls to amortise its launch, whole rounds over the copies
+    from flashspec.analysis.head_bench import GRAPH_MIN_CALLS, graph_calls
+    assert graph_calls(1, 1) == GRAPH_MIN_CALLS and graph_calls(3, 2) == GRAPH_MIN_CALLS
+    assert graph_calls(1, 3) % 3 == 0 and graph_calls(1, 3) >= GRAPH_MIN_CALLS
+    assert graph_calls(40, 64) == 64 and graph_calls(70, 64) == 128
 
 
 def test_head_bench_smoke_through_hydra(tmp_path):

@@ -183,6 +183,18 @@ def _sample(v: Variant, x: torch.Tensor, inner: int, timer: Timer) -> float:
     return timer(body) / inner
 
 
+GRAPH_MIN_CALLS = 16   # calls per captured graph at least: its launch is then a small share
+
+
+def graph_calls(inner: int, copies: int) -> int:
+    """Calls in one captured graph: at least ``GRAPH_MIN_CALLS`` (a graph of one fast call
+    times the graph's own launch with it) and a whole number of rounds over the weight copies
+    (the rotation is fixed at capture: a graph of fewer calls than copies re-reads the same,
+    partly cached, weights on every replay)."""
+    n = max(inner, GRAPH_MIN_CALLS, copies)
+    return copies * -(-n // copies)
+
+
 def _capture(v: Variant, x: torch.Tensor, inner: int) -> Callable[[], Any]:
     """A CUDA graph of ``inner`` rotated calls of ``v``; returns its replay.
 
@@ -219,6 +231,7 @@ def bench_shape(d: int, vocab: int, batch: int, cfg: BenchConfig, progress: bool
             once = min(_sample(v, x, 1, timer) for _ in range(max(1, cfg.warmup)))
             inner[v.name] = max(1, min(64, math.ceil(cfg.min_sample_s / max(once, 1e-9))))
         if cfg.cuda_graphs:
+            inner = {v.name: graph_calls(inner[v.name], len(v.copies)) for v in variants}
             replays = {v.name: _capture(v, x, inner[v.name]) for v in variants}
             sample = lambda v: timer(replays[v.name]) / inner[v.name]  # noqa: E731
         else:
