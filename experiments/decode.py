@@ -153,9 +153,9 @@ class Plan:
     reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
     named: list[str] = field(default_factory=list)   # experiment=bench: role = method name
     named_arms: dict[str, list[str]] = field(default_factory=dict)   # bench method -> arm labels
-    bench_learners: list["Learner"] = field(default_factory=list)   # bench methods that learn
+    bench_learners: list[Learner] = field(default_factory=list)   # bench methods that learn
 
-    def learners(self) -> list["Learner"]:
+    def learners(self) -> list[Learner]:
         """Every learning policy group of the job, for the priors store: the configured
         policies over the drafter set's arms, then each learning bench method."""
         own = [Learner(self.policies, self.arm_names, self.arms, self.spec)] if self.policies else []
@@ -272,9 +272,10 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
             plan.bench_learners.append(Learner([m.policy], [a.label for a in arms], {}, name))
     for ln in plan.bench_learners:   # each arm alone: the first one-arm method of its runtime
         for i, label in enumerate(ln.arm_labels):
-            ln.alone.update({i: other for other in reversed(plan.named)
-                             if plan.named_arms[other] == [label]
-                             and runtimes[other] == runtimes[ln.spec]})
+            alone = [o for o in plan.named
+                     if plan.named_arms[o] == [label] and runtimes[o] == runtimes[ln.spec]]
+            if alone:
+                ln.alone[i] = alone[0]
     return plan
 
 
