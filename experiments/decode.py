@@ -153,6 +153,7 @@ class Plan:
     reference: str = "backbone"   # ρ_τ's full-head drafter: twin | backbone (_full_head_reference)
     named: list[str] = field(default_factory=list)   # experiment=bench: role = method name
     named_arms: dict[str, list[str]] = field(default_factory=dict)   # bench method -> arm labels
+    named_alone: dict[str, dict[int, str]] = field(default_factory=dict)   # bench: arms played alone
     bench_learners: list[Learner] = field(default_factory=list)   # bench methods that learn
 
     def learners(self) -> list[Learner]:
@@ -254,10 +255,10 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
     ctx = draft_context(cfg, target, tokenizer)
     drafters = build_drafters(cfg.drafters, ctx)
     plan = Plan(methods=[], policy_arms=[])
-    runtimes = {}
+    plays = {}   # method -> what makes two methods play an arm the same way
     for name, spec in specs.items():
         m = bench_method(cfg, name, spec)
-        runtimes[name] = m.runtime
+        plays[name] = (m.runtime, m.planner is not None)
         try:
             arms = build_arms({"arms": spec.arms}, drafters)
         except FlashSpecError as e:
@@ -270,13 +271,28 @@ def bench_methods(cfg: DictConfig, target, tokenizer, params: SamplingParams,
             plan.named_arms[name] = [a.label for a in arms]
         if m.policy is not None and m.policy.learns:
             plan.bench_learners.append(Learner([m.policy], [a.label for a in arms], {}, name))
-    for ln in plan.bench_learners:   # each arm alone: the first one-arm method of its runtime
-        for i, label in enumerate(ln.arm_labels):
-            alone = [o for o in plan.named
-                     if plan.named_arms[o] == [label] and runtimes[o] == runtimes[ln.spec]]
-            if alone:
-                ln.alone[i] = alone[0]
+    plan.named_alone = arms_played_alone(plan.named_arms, plays)
+    for ln in plan.bench_learners:
+        ln.alone.update(plan.named_alone.get(ln.spec, {}))
     return plan
+
+
+def arms_played_alone(named_arms: dict[str, list[str]],
+                      plays: dict[str, tuple]) -> dict[str, dict[int, str]]:
+    """For each bench method over several arms, arm index -> the first one-arm method that plays
+    that arm as the method does (``plays``: method -> (runtime, has a planner); a planner
+    changes what an arm does). Both the priors store and ``vs_best_fixed`` measure arms by it."""
+    out: dict[str, dict[int, str]] = {}
+    for name, labels in named_arms.items():
+        if len(labels) < 2:
+            continue
+        out[name] = {}
+        for i, label in enumerate(labels):
+            alone = [o for o, arms in named_arms.items() if arms == [label]
+                     and plays[o] == plays[name]]
+            if alone:
+                out[name][i] = alone[0]
+    return out
 
 
 def _full_head_reference(cfg: DictConfig, plan: Plan, ctx, drafters: dict, arms: list[Arm],
@@ -596,15 +612,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return {"summary": rows, "job": job, "records": str(run.writer.path)}
 
 
-def bench_vs_best_fixed(job: dict[str, Any], named_arms: dict[str, list[str]]) -> dict[str, Any]:
+def bench_vs_best_fixed(job: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """experiment=bench: a method over several arms against the best of the one-arm methods
-    that play those arms alone in the same job (``<method>/vs_best_fixed`` and ``/best_fixed``),
-    where every one of its arms has such a method."""
-    alone = {arms[0]: n for n, arms in named_arms.items() if len(arms) == 1}
+    that play those arms alone in the same job (``Plan.named_alone``: same runtime and planner),
+    as ``<method>/vs_best_fixed`` and ``/best_fixed``, where every one of its arms has one."""
     out: dict[str, Any] = {}
-    for name, arms in named_arms.items():
-        fixed = [alone.get(a) for a in arms]
-        if len(arms) < 2 or None in fixed or job.get(f"{name}/tps") is None \
+    for name, alone in plan.named_alone.items():
+        fixed = [alone.get(i) for i in range(len(plan.named_arms[name]))]
+        if None in fixed or job.get(f"{name}/tps") is None \
                 or any(job.get(f"{f}/tps") is None for f in fixed):
             continue
         best = max(fixed, key=lambda f: job[f"{f}/tps"])
@@ -630,7 +645,7 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
     for name in plan.named:   # the bench's ratio: pooled tokens per second over AR's
         if ar_tps and job.get(f"{name}/tps") is not None:
             job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
-    job.update(bench_vs_best_fixed(job, plan.named_arms))
+    job.update(bench_vs_best_fixed(job, plan))
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)

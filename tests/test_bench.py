@@ -98,3 +98,22 @@ def test_a_methods_own_choices_reach_its_engine():
 def test_bad_method_entries_fail_at_composition(override, needle):
     with pytest.raises(FlashSpecError, match=needle.replace("[", r"\[")):
         validate(composed(override))
+
+
+def test_an_arm_alone_is_played_as_the_method_plays_it():
+    """vs_best_fixed and the priors store measure each arm of a several-arm method by the first
+    one-arm method with its runtime and planner: a faster planner method over the same arm is
+    not the arm alone (it made the bandit's best_fixed depend on which ran faster)."""
+    from experiments.decode import Plan, arms_played_alone, bench_vs_best_fixed
+    named_arms = {"g3": ["d@3"], "tree": ["d@t"], "tree_planner": ["d@t"], "tree_b": ["d@t"],
+                  "bandit": ["d@3", "d@t"], "bandit_graphed": ["d@3", "d@t"]}
+    plays = {"g3": ("r", False), "tree": ("r", False), "tree_planner": ("r", True),
+             "tree_b": ("r", False), "bandit": ("r", False), "bandit_graphed": ("g", False)}
+    alone = arms_played_alone(named_arms, plays)
+    assert alone == {"bandit": {0: "g3", 1: "tree"}, "bandit_graphed": {}}
+    plan = Plan(methods=[], policy_arms=[], named=list(named_arms), named_arms=named_arms,
+                named_alone=alone)
+    job = {"g3/tps": 10.0, "tree/tps": 12.0, "tree_planner/tps": 20.0, "tree_b/tps": 30.0,
+           "bandit/tps": 11.0, "bandit_graphed/tps": 9.0}
+    out = bench_vs_best_fixed(job, plan)
+    assert out == {"bandit/best_fixed": "tree", "bandit/vs_best_fixed": pytest.approx(11 / 12)}
