@@ -5,9 +5,11 @@ On CPU BLAS, ``x @ Wᵀ`` with a handful of rows (the shape of decode and verify
 a packing, compute-bound path, and a single row a one-thread matrix-vector path, while
 ``W @ xᵀ`` with at least two columns streams the weight once over all threads. With MKL in
 float32 the transposed form wins by a wide margin at decode shapes, while for bfloat16 oneDNN's
-own path can win. Which form wins depends on the BLAS, the CPU and the thread count, so it is not fixed here: the first
-product of each (rows class, weight shape, dtype) times both forms for a few milliseconds and
-keeps the faster, and the choices are cached per machine in
+own path can win. Which form wins depends on the BLAS, the CPU, the thread count and the exact
+number of rows (MKL's float32 ``x Wᵀ`` can take twice as long at 3 or 7 rows as at 4 or 8,
+and ``W xᵀ`` that wins at 2-4 rows loses by 2x at 13 on a decoder layer's weights), so it is not
+fixed here: the first product of each (rows, weight shape, dtype) times both forms for a few
+milliseconds and keeps the faster, and the choices are cached per machine in
 ``<cache_root>/matmul/<machine key>.json`` (CPU model, core and thread count, torch version).
 
 Same math either way (the two forms differ only in summation order, within float rounding).
@@ -32,7 +34,6 @@ from flashspec.paths import cache_root, write_text_atomic
 
 SMALL_ROWS = 16
 FORMS = ("xwt", "wxt")       # F.linear as given | (W xᵀ)ᵀ
-ROW_CLASSES = (1, 4, 16)     # rows are measured at the top of their class: 1, 2-4, 5-16
 MEASURE_S = 0.002            # per form and shape class, after one warm-up call each
 
 _choices: dict[str, str] | None = None
@@ -78,13 +79,9 @@ def pin_form(form: str | None) -> None:
     _pinned = form
 
 
-def row_class(rows: int) -> int:
-    return next(c for c in ROW_CLASSES if rows <= c)
-
-
 def shape_key(rows: int, weight: torch.Tensor) -> str:
     out_f, in_f = weight.shape
-    return f"{str(weight.dtype).removeprefix('torch.')}:r{row_class(rows)}:{out_f}x{in_f}"
+    return f"{str(weight.dtype).removeprefix('torch.')}:r{rows}:{out_f}x{in_f}"
 
 
 def choose_form(rows: int, weight: torch.Tensor, refresh: bool = False) -> str:
@@ -95,7 +92,7 @@ def choose_form(rows: int, weight: torch.Tensor, refresh: bool = False) -> str:
     if refresh or key not in choices:
         if torch.compiler.is_compiling():     # no timing inside a trace: the plain form
             return "xwt"
-        choices[key] = measure(row_class(rows), weight)
+        choices[key] = measure(rows, weight)
         _save(key, choices[key])
     return choices[key]
 

@@ -473,11 +473,16 @@ def test_matmul_form_is_measured_once_and_cached_per_machine(tmp_path, monkeypat
     form = matmul.choose_form(3, w)
     assert form in matmul.FORMS
     blob = json.loads(matmul.cache_file().read_text())
-    assert blob["choices"] == {"float32:r4:300x64": form}
+    assert blob["choices"] == {"float32:r3:300x64": form}
     assert blob["machine"]["torch"] == torch.__version__ and blob["machine"]["cores"]
     monkeypatch.setattr(matmul, "_choices", None)        # a new process: read from disk
-    monkeypatch.setattr(matmul, "measure", lambda *a, **k: pytest.fail("measured again"))
-    assert matmul.choose_form(4, w) == form               # same rows class, no new timing
+    timed = []
+    monkeypatch.setattr(matmul, "measure", lambda rows, w: timed.append(rows) or "xwt")
+    assert matmul.choose_form(3, w) == form and not timed  # no new timing
+    # every row count has its own choice: the fast form can change from one count to the next
+    assert matmul.choose_form(4, w) == "xwt" and timed == [4]
+    assert set(json.loads(matmul.cache_file().read_text())["choices"]) == {
+        "float32:r3:300x64", "float32:r4:300x64"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
