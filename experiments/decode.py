@@ -600,7 +600,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         cmp = bandit_vs_fixed(records)
         if cmp is not None:
             log.info("%s", format_bandit_vs_fixed(cmp))
-            run.logger.summary({f"pooled/{k}": cmp[k] for k in ("vs_best_fixed", "vs_mean_fixed")})
+            run.logger.summary({f"pooled/{k}": cmp[k] for k in
+                                ("vs_best_fixed", "vs_mean_fixed", "oracle_vs_best_fixed")})
         _stream_figure(records, cfg, run.path)
         job, regret = job_metrics(records, plan, target, 5 if cfg.smoke else int(exp.timing_iters))
         log.info("job metrics:\n%s", "\n".join(f"  {k} = {_fmt(v)}" for k, v in job.items()))

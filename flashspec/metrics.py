@@ -94,7 +94,10 @@ def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The bandit bars on one run's pooled TPS: best bandit / best fixed arm and / mean of the
-    fixed arms (fixed = every ``spec:`` method that is not a bandit). None without both kinds."""
+    fixed arms (fixed = every ``spec:`` method that is not a bandit), and the headroom any
+    switching policy has on this stream, ``oracle_vs_best_fixed``: the fixed arm best on each
+    domain played there (pooled over the run) / the best fixed arm. None without both kinds."""
+    records = list(records)
     tps = pooled_tps(records)
     bandits = {m: v for m, v in tps.items() if m.startswith("spec:bandit")}
     fixed = {m: v for m, v in tps.items() if m.startswith("spec:") and m not in bandits}
@@ -102,17 +105,45 @@ def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     best_b, best_f = max(bandits, key=bandits.get), max(fixed, key=fixed.get)
     mean_f = statistics.fmean(fixed.values())
+    oracle, per_domain = domain_oracle(records, list(fixed))
     return {"tps": dict(sorted(tps.items(), key=lambda kv: -kv[1])), "best_bandit": best_b,
             "best_fixed": best_f, "vs_best_fixed": bandits[best_b] / fixed[best_f],
-            "vs_mean_fixed": bandits[best_b] / mean_f}
+            "vs_mean_fixed": bandits[best_b] / mean_f,
+            "oracle_vs_best_fixed": oracle / fixed[best_f], "best_per_domain": per_domain}
+
+
+def domain_oracle(records: list[dict[str, Any]], methods: list[str]) -> tuple[float, dict[str, str]]:
+    """Pooled tok/s of playing, on each domain, the one of ``methods`` fastest there (its own
+    tokens and batch walls), and that method per domain: no switching policy that keys on the
+    domain can beat it, and only within-domain adaptation can."""
+    tokens = walls = 0.0
+    best: dict[str, str] = {}
+    for domain in dict.fromkeys(r.get("domain") for r in records if r.get("method") in methods):
+        rates = {}
+        for m in methods:
+            rs = [r for r in records if r.get("method") == m and r.get("domain") == domain
+                  and r.get("experiment", "decode") == "decode"]
+            if rs:
+                rates[m] = (pooled_rate(rs), rs)
+        m = max(rates, key=lambda k: rates[k][0])
+        best[str(domain)] = m
+        rs = rates[m][1]
+        tokens += sum(r["n_new_tokens"] for r in rs)
+        walls += sum({r.get("batch_id", i): r["wall_s"] for i, r in enumerate(rs)}.values())
+    return tokens / max(walls, 1e-9), best
 
 
 def format_bandit_vs_fixed(cmp: dict[str, Any]) -> str:
-    """Pooled TPS per method, then the two bandit ratios."""
+    """Pooled TPS per method, then the bandit ratios and the per-domain oracle's."""
     width = max(len(m) for m in cmp["tps"])
     lines = [f"{m.ljust(width)}  {v:8.2f}" for m, v in cmp["tps"].items()]
     lines.append(f"best bandit ({cmp['best_bandit']}) / best fixed ({cmp['best_fixed']}): "
                  f"{cmp['vs_best_fixed']:.3f}; / mean of fixed arms: {cmp['vs_mean_fixed']:.3f}")
+    if len(set(cmp["best_per_domain"].values())) > 1:
+        picks = ", ".join(f"{d}: {m}" for d, m in cmp["best_per_domain"].items())
+        lines.append(f"per-domain oracle ({picks}) / best fixed: {cmp['oracle_vs_best_fixed']:.3f}")
+    else:
+        lines.append("per-domain oracle: the best fixed arm is best on every domain (1.000)")
     return "pooled tok/s over the run\n" + "\n".join(lines)
 
 

@@ -273,6 +273,27 @@ def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
     assert bandit_vs_fixed(recs[:4]) is None
 
 
+def test_the_per_domain_oracle_plays_each_domains_fastest_fixed_arm():
+    """x wins code (100 tokens in 2 s against 4 s), y wins chat (100 in 1 s against 5 s): the
+    oracle decodes 200 tokens in 3 s, against x's 7 s over the run (the best fixed arm)."""
+    from flashspec.metrics import bandit_vs_fixed, format_bandit_vs_fixed
+
+    def rec(method, domain, wall, batch):
+        return {"method": method, "domain": domain, "n_new_tokens": 100, "wall_s": wall,
+                "batch_id": batch}
+    recs = [rec("spec:x@3", "code", 2.0, "x1"), rec("spec:x@3", "chat", 5.0, "x2"),
+            rec("spec:y@3", "code", 4.0, "y1"), rec("spec:y@3", "chat", 1.0, "y2"),
+            rec("spec:bandit:t", "code", 2.5, "b1"), rec("spec:bandit:t", "chat", 1.5, "b2")]
+    cmp = bandit_vs_fixed(recs)
+    assert cmp["best_fixed"] == "spec:y@3"   # 200 tokens in 5 s, x in 7 s
+    assert cmp["best_per_domain"] == {"code": "spec:x@3", "chat": "spec:y@3"}
+    assert cmp["oracle_vs_best_fixed"] == pytest.approx((200 / 3) / (200 / 5))
+    assert "per-domain oracle (code: spec:x@3, chat: spec:y@3) / best fixed: 1.667" \
+        in format_bandit_vs_fixed(cmp)
+    one = [r for r in recs if r["method"] != "spec:x@3"]
+    assert bandit_vs_fixed(one)["oracle_vs_best_fixed"] == 1.0
+
+
 def test_rate_thompson_does_not_lock_out_an_arm_after_two_zero_rewards():
     """The better arm starts with two zero rewards (its own variance is 0), then always pays 1;
     the other pays Bernoulli(0.5). The variance pooled over arms keeps the first arm's posterior
