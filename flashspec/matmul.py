@@ -6,9 +6,8 @@ a packing, compute-bound path, and a single row a one-thread matrix-vector path,
 ``W @ xᵀ`` with at least two columns streams the weight once over all threads. With MKL in
 float32 the transposed form wins by a wide margin at decode shapes, while for bfloat16 oneDNN's
 own path can win. Which form wins depends on the BLAS, the CPU, the thread count and the exact
-number of rows (MKL's float32 ``x Wᵀ`` can take twice as long at 3 or 7 rows as at 4 or 8,
-and ``W xᵀ`` that wins at 2-4 rows loses by 2x at 13 on a decoder layer's weights), so it is not
-fixed here: the first product of each (rows, weight shape, dtype) times both forms for a few
+number of rows (MKL's float32 ``x Wᵀ`` can be much slower at 3 or 7 rows than at 4 or 8, and
+``W xᵀ`` can win at a few rows and lose at a dozen on the same weight), so it is not fixed here: the first product of each (rows, weight shape, dtype) times both forms for a few
 milliseconds and keeps the faster, and the choices are cached per machine in
 ``<cache_root>/matmul/<machine key>.json`` (CPU model, core and thread count, torch version).
 
