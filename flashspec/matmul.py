@@ -7,7 +7,8 @@ a packing, compute-bound path, and a single row a one-thread matrix-vector path,
 float32 the transposed form wins by a wide margin at decode shapes, while for bfloat16 oneDNN's
 own path can win. Which form wins depends on the BLAS, the CPU, the thread count and the exact
 number of rows (MKL's float32 ``x Wᵀ`` can be much slower at 3 or 7 rows than at 4 or 8, and
-``W xᵀ`` can win at a few rows and lose at a dozen on the same weight), so it is not fixed here: the first product of each (rows, weight shape, dtype) times both forms for a few
+``W xᵀ`` can win at a few rows and lose at a dozen on the same weight), so it is not fixed
+here: the first product of each (rows, weight shape, dtype) times both forms for a few
 milliseconds and keeps the faster, and the choices are cached per machine in
 ``<cache_root>/matmul/<machine key>.json`` (CPU model, core and thread count, torch version).
 
