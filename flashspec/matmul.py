@@ -34,7 +34,7 @@ from flashspec.paths import cache_root, write_text_atomic
 
 SMALL_ROWS = 16
 FORMS = ("xwt", "wxt")       # F.linear as given | (W xᵀ)ᵀ
-MEASURE_S = 0.002            # per form and shape class, after one warm-up call each
+MEASURE_S = 0.002            # per form, rows and shape, after one warm-up call each
 
 _choices: dict[str, str] | None = None
 _pinned: str | None = None

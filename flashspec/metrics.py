@@ -116,21 +116,18 @@ def domain_oracle(records: list[dict[str, Any]], methods: list[str]) -> tuple[fl
     """Pooled tok/s of playing, on each domain, the one of ``methods`` fastest there (its own
     tokens and batch walls), and that method per domain: no switching policy that keys on the
     domain can beat it, and only within-domain adaptation can."""
-    tokens = walls = 0.0
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r.get("method") in methods and r.get("experiment", "decode") == "decode":
+            groups[(r["method"], r.get("domain"))].append(r)
     best: dict[str, str] = {}
-    for domain in dict.fromkeys(r.get("domain") for r in records if r.get("method") in methods):
-        rates = {}
-        for m in methods:
-            rs = [r for r in records if r.get("method") == m and r.get("domain") == domain
-                  and r.get("experiment", "decode") == "decode"]
-            if rs:
-                rates[m] = (pooled_rate(rs), rs)
-        m = max(rates, key=lambda k: rates[k][0])
+    played: list[dict[str, Any]] = []
+    for domain in dict.fromkeys(d for _, d in groups):
+        m = max((m for m in methods if (m, domain) in groups),
+                key=lambda m: pooled_rate(groups[(m, domain)]))
         best[str(domain)] = m
-        rs = rates[m][1]
-        tokens += sum(r["n_new_tokens"] for r in rs)
-        walls += sum({r.get("batch_id", i): r["wall_s"] for i, r in enumerate(rs)}.values())
-    return tokens / max(walls, 1e-9), best
+        played += groups[(m, domain)]
+    return pooled_rate(played), best
 
 
 def format_bandit_vs_fixed(cmp: dict[str, Any]) -> str:
