@@ -1,6 +1,7 @@
 """The decode engine on the real SmolLM2 model (fp32, CPU): greedy speculative == greedy target."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,17 @@ def small_model_dir(out: Path, n_layers: int = 8, tokens: list[int] | None = Non
     return out
 
 
+def load_small_model(tmp_path_factory, n_layers: int, tokens: list[int] | None = None):
+    """:func:`small_model_dir` loaded as a checkpoint on disk is, its directory then removed: a
+    copy is 100 to 250 MB in fp32, and a module-scoped fixture's files would otherwise stay on
+    the CI box's disk until the session ends."""
+    directory = small_model_dir(tmp_path_factory.mktemp(f"small{n_layers}"), n_layers, tokens)
+    try:
+        return load_model(str(directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 ARMS = {"ngram": Arm("ngram", 4), "layerskip": Arm("skip12", 3), "model": Arm("small8", 3)}
 
 
@@ -88,8 +100,9 @@ ARMS = {"ngram": Arm("ngram", 4), "layerskip": Arm("skip12", 3), "model": Arm("s
 def drafters(smol, tmp_path_factory) -> dict[str, Drafter]:
     """The drafters of :data:`ARMS`, by kind."""
     model, tok = smol
-    small = ModelDrafter.separate(DraftContext(model, tok), "small8",
-                                  source=str(small_model_dir(tmp_path_factory.mktemp("small"))))
+    directory = small_model_dir(tmp_path_factory.mktemp("small"))
+    small = ModelDrafter.separate(DraftContext(model, tok), "small8", source=str(directory))
+    shutil.rmtree(directory)   # loaded: see load_small_model
     return {"ngram": NgramDrafter(), "layerskip": ModelDrafter(model, list(range(12)), name="skip12"),
             "model": small}
 

@@ -28,7 +28,7 @@ from flashspec.drafters import DraftContext, Drafter, EagleDrafter, ModelDrafter
 from flashspec.engine import SpecEngine
 from flashspec.heads import LowRankChoice, LowRankHead
 from flashspec.models import load_model
-from test_engine import small_model_dir
+from test_engine import load_small_model
 from test_qwen2 import qwen2_dir
 
 pytestmark = pytest.mark.slow
@@ -60,8 +60,7 @@ def small_cut(tmp_path_factory, cut_vocab):
     gates' cost grows with V (LM head, warps, the drafts' Gumbel noise over V), their power
     does not."""
     keep, prompt = cut_vocab
-    model, _ = load_model(str(small_model_dir(tmp_path_factory.mktemp("cut"), n_layers=2,
-                                              tokens=keep)))
+    model, _ = load_small_model(tmp_path_factory, n_layers=2, tokens=keep)
     return model, [keep.index(t) for t in prompt]
 
 

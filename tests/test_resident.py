@@ -25,7 +25,7 @@ from flashspec.models import load_model
 from flashspec.planner import WidthPlanner
 from flashspec.resident import ResidentLoop
 from flashspec.stepper import Snapshot, catch_up_width, catch_up_widths, run_chunks
-from test_engine import small_model_dir
+from test_engine import load_small_model
 from conftest import drive_as_on_a_gpu
 from test_exactness_engine import EAGLE
 
@@ -58,7 +58,7 @@ def test_device_lookup_equals_host_lookup(case):
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("four"), n_layers=4)))
+    model, tok = load_small_model(tmp_path_factory, n_layers=4)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        return_dict=True)["input_ids"] for t in TEXTS]
     return model, prompts

@@ -104,9 +104,8 @@ def test_shared_regret_far_below_independent_arms():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from flashspec.models import load_model
-    from test_engine import small_model_dir
-    model, tok = load_model(str(small_model_dir(tmp_path_factory.mktemp("two"), n_layers=2)))
+    from test_engine import load_small_model
+    model, tok = load_small_model(tmp_path_factory, n_layers=2)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                        return_dict=True)["input_ids"]
                for t in ("Count: one two three one two three", "The quick brown fox")]

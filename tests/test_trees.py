@@ -19,7 +19,7 @@ from flashspec.heads import LowRankChoice
 from flashspec.metrics import alpha_by_depth
 from flashspec.models import load_model
 from flashspec.tree import grow_tree, tree_attention
-from test_engine import TEXTS, small_model_dir
+from test_engine import TEXTS, load_small_model
 from exactness.tree_harness import static_tree
 from test_exactness_engine import EAGLE
 
@@ -117,7 +117,7 @@ def test_fused_tree_bookkeeping_equals_torch(spec: str, temperature: float) -> N
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return load_model(str(small_model_dir(tmp_path_factory.mktemp("four"), n_layers=4)))
+    return load_small_model(tmp_path_factory, n_layers=4)
 
 
 def test_tree_forward_equals_each_paths_plain_forward(four) -> None:
