@@ -111,6 +111,33 @@ def test_contextual_learns_each_domain():
     assert set(pol.per_domain) == {"code"}
 
 
+def test_contextual_over_two_keys_learns_each_combination():
+    """Arm 0 wins only where both the domain is "edit" and the match is long: neither key alone
+    separates it (by domain, edit is an even mix; by match, chat's long matches favour arm 1)."""
+    rng = np.random.default_rng(0)
+    means = {("edit", 4): [0.9, 0.2], ("edit", 0): [0.2, 0.9],
+             ("chat", 4): [0.2, 0.9], ("chat", 0): [0.2, 0.9]}
+    contexts = [list(means)[i] for i in rng.integers(0, 4, 4000)]
+
+    def regret(policy) -> float:
+        total = 0.0
+        for domain, match in contexts:
+            arm = policy.select({"step": 0, "domain": domain, "ngram_match": match})
+            p = means[(domain, match)]
+            policy.update(arm, float(rng.random() < p[arm]))
+            total += max(p) - p[arm]
+        return total
+
+    both = PerDomain(2, 0, key=["domain", "ngram_match"])
+    assert both.context_keys == ("domain", "ngram_match")
+    assert both.label == "contextual[domain+ngram_match]"
+    assert regret(both) < 0.25 * min(regret(PerDomain(2, 0, key="domain")),
+                                     regret(PerDomain(2, 0, key="ngram_match")))
+    assert set(both.per_domain) == set(means)
+    with pytest.raises(FlashSpecError, match="distinct"):
+        PerDomain(2, 0, key=["domain", "domain"])
+
+
 def test_rate_thompson_estimates_pooled_rate_not_the_mean_of_step_rates():
     """Arm 0 alternates a cheap lucky step (100 tok/s for 10 ms) and a slow one (10 tok/s for
     1 s): its mean step rate is 55 but it makes 11 tokens in 1.01 s. Arm 1 always makes 30 tok/s."""
@@ -310,6 +337,24 @@ def test_rate_thompson_does_not_lock_out_an_arm_after_two_zero_rewards():
         return arms
     assert run()[-100:].count(0) > 90
     assert run(prior_weight=0.0).count(0) == 0
+
+
+def test_discounted_rate_thompson_does_not_force_plays_of_a_far_slower_arm():
+    """Arms of 40, 30 and 12 tok/s (the last like a layer-skip drafter that rarely lands), 1,000
+    steps, discount 0.99. Forcing a play whenever an arm's faded count dips under min_pulls
+    tries the slow arm every ~40 steps (22 plays after step 100 on every seed); letting fading
+    widen the posterior instead tries it about half as often. Arm 0 still wins most steps."""
+    def run(seed: int) -> np.ndarray:
+        pol, rng, arms = RateThompson(3, seed, discount=0.99), np.random.default_rng(seed + 10), []
+        for _ in range(1000):
+            a = pol.select()
+            arms.append(a)
+            pol.update(a, max((40.0, 30.0, 12.0)[a] * (1 + 0.3 * rng.standard_normal()), 0.0), 0.06)
+        return np.array(arms[100:])
+    for seed in range(4):
+        arms = run(seed)
+        assert (arms == 2).sum() <= 15
+        assert (arms == 0).mean() > 0.6
 
 
 def test_discounted_rate_thompson_follows_a_switch_of_the_best_arm():

@@ -174,14 +174,17 @@ def test_config_arms_and_a_policy_over_them():
     policy = make_policy(cfg.bandit, len(arms), 0)
     assert policy.label == "contextual[ngram_hit](rate_thompson)/tps"
     assert policy.context_keys == ("ngram_hit",)
+    both = make_policy(composed("bandit=domain_match_tps").bandit, len(arms), 0)
+    assert both.label == "contextual[domain+ngram_match](d_rate_thompson)/tps"
+    assert both.context_keys == ("domain", "ngram_match")
 
 
 def test_experiment_preset_overrides_several_groups():
     cfg = composed("experiment=mixed_stream")
     assert cfg.dataset.name == "mixed" and cfg.dataset.n_prompts == 24
     assert list(cfg.drafters.drafters) == ["ngram", "eagle_lr72", "skip10"]
-    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ngram_match_tps", "ucb1", "d_rate_tps",
-                                               "sw_ucb_tps"}
+    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ngram_match_tps", "domain_match_tps",
+                                               "ucb1", "d_rate_tps", "sw_ucb_tps"}
     assert cfg.experiment.name == "decode"
     # a command-line choice still wins over the preset's
     assert composed("experiment=mixed_stream", "dataset=gsm8k").dataset.name == "gsm8k"

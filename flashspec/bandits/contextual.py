@@ -1,4 +1,5 @@
-"""Context-conditioned selection: one independent inner policy per context value (domain)."""
+"""Context-conditioned selection: one independent inner policy per context value (domain), or
+per combination of values (domain and n-gram match length)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -13,7 +14,9 @@ from flashspec.seeds import derive_seed
 
 
 class PerDomain(Policy):
-    """Keeps one ``inner`` policy per ``context[key]`` (default: the prompt's domain).
+    """Keeps one ``inner`` policy per ``context[key]`` (default: the prompt's domain); with
+    several keys, one per combination of their values (e.g. ``key=["domain", "ngram_match"]``:
+    whether copying pays can differ between a chat answer and an edit at the same match length).
 
     ``inner`` builds a policy: ``inner(n_arms, seeds, reward_scale=...)`` — a policy class or a
     ``functools.partial`` of one (what a ``_partial_: true`` Hydra config instantiates to).
@@ -25,10 +28,14 @@ class PerDomain(Policy):
     name = "contextual"
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0,
-                 inner: Callable[..., Policy] = ThompsonSampling, key: str = "domain", **kw: Any) -> None:
+                 inner: Callable[..., Policy] = ThompsonSampling,
+                 key: str | Sequence[str] = "domain", **kw: Any) -> None:
         super().__init__(n_arms, seed, **kw)
         self.inner = inner
-        self.key = key
+        self.keys = (key,) if isinstance(key, str) else tuple(str(k) for k in key)
+        if not self.keys or len(set(self.keys)) != len(self.keys):
+            raise FlashSpecError(f"bandit=contextual: key must name one context entry or several "
+                                 f"distinct ones (e.g. [domain, ngram_match]), got {key!r}")
         self.policies: dict[object, Policy] = {}
         self._last_key: object = None
         first = self._policy(None)  # validate the inner policy now rather than at the first step
@@ -39,7 +46,7 @@ class PerDomain(Policy):
 
     @property
     def context_keys(self) -> tuple[str, ...]:
-        return (self.key,)
+        return self.keys
 
     @property
     def outcome_keys(self) -> tuple[str, ...]:
@@ -54,7 +61,7 @@ class PerDomain(Policy):
     @property
     def label(self) -> str:
         inner = "" if self.inner_name == "thompson" else f"({self.inner_name})"
-        key = "" if self.key == "domain" else f"[{self.key}]"
+        key = "" if self.keys == ("domain",) else f"[{'+'.join(self.keys)}]"
         return self.name + key + inner + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}")
 
     def _policy(self, key: object) -> Policy:
@@ -66,7 +73,11 @@ class PerDomain(Policy):
         return self.policies[key]
 
     def _key(self, context: Context) -> object:
-        return None if context is None else context.get(self.key)
+        if context is None:
+            return None
+        if len(self.keys) == 1:
+            return context.get(self.keys[0])
+        return tuple(context.get(k) for k in self.keys)
 
     def select_many(self, context: Context = None) -> np.ndarray:
         self._last_key = self._key(context)

@@ -42,6 +42,7 @@ class RateStats:
         self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc = (
             np.zeros(shape) for _ in range(7))
         self.prior_x, self.prior_c = np.zeros(shape), np.zeros(shape)   # pseudo-steps (seed)
+        self.steps = np.zeros(shape)   # observed steps, never faded
 
     def observe(self, r: np.ndarray, c: np.ndarray) -> None:
         """One round: ``r`` rewards and ``c`` costs, NaN where an arm was not observed."""
@@ -54,6 +55,7 @@ class RateStats:
         cost = np.where(seen, np.nan_to_num(c), 0.0)
         self.n += seen
         self.seen += seen
+        self.steps += seen
         self.x += x
         self.c += cost
         self.xx += x * x
@@ -82,7 +84,9 @@ class RateStats:
         return np.divide(x, c, out=np.zeros_like(x), where=c > 0)
 
     def sd(self) -> np.ndarray:
-        """Standard error of the rate (0 where fewer than two steps back it)."""
+        """Standard error of the rate (0 where fewer than two steps back it). Faded evidence
+        (``discount``) widens it without bound: an arm two real steps backed stays open to a
+        draw however long ago they were."""
         rate = self.rate()
         resid = np.maximum(self.xx - 2.0 * rate * self.xc + rate * rate * self.cc, 0.0)
         dof = np.maximum(self.seen - 1.0, 0.0)
@@ -90,7 +94,7 @@ class RateStats:
         sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
         c = self.c + self.prior_c
         var = np.divide(self.n * sigma2, c ** 2, out=np.zeros_like(resid),
-                        where=(self.n > 1) & (c > 0))
+                        where=(np.maximum(self.n, self.steps) > 1) & (c > 0))
         return np.sqrt(var)
 
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
@@ -107,8 +111,11 @@ class RateThompson(Policy):
 
     ``discount`` < 1 makes it a policy for streams whose best arm changes (a prompt stream that
     moves between code, chat and editing): before each update every arm's sums and counts are
-    multiplied by it, so evidence fades with a memory of about 1 / (1 − discount) steps, and an
-    arm left alone long enough falls back under ``min_pulls`` and is tried again.
+    multiplied by it, so evidence fades with a memory of about 1 / (1 − discount) steps. An arm
+    left alone sees its posterior widen as its evidence fades, and is tried again as often as
+    its draws come out on top. ``min_pulls`` counts real steps (and priors), never faded ones:
+    forcing a play each time an arm's faded count dips under it would try a far slower arm
+    every few dozen steps however clear its loss.
     """
 
     name = "rate_thompson"
@@ -129,13 +136,19 @@ class RateThompson(Policy):
             self.name = "d_rate_thompson"
         self.explore, self.min_pulls = float(explore), int(min_pulls)
         self.rates = RateStats((self.n_envs, self.n_arms), prior_weight, self.discount)
+        self._tried = np.zeros((self.n_envs, self.n_arms))   # steps observed, never faded
+
+    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
+        super()._seed_prior(n, mean, cost)
+        self._tried += n
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
         if self.discount < 1.0:   # the counts behind min_pulls fade too (RateStats fades its own)
             for sums in (self._counts, self._sums, self._cost_sums):
                 sums *= self.discount
         super()._observe(r, c, pulled, context)
+        self._tried += ~np.isnan(r)
 
     def _scores(self, context: Context) -> np.ndarray:
         draw = self.rates.draw(self.rngs, self.explore)
-        return np.where(self._counts < self.min_pulls, np.inf, draw)
+        return np.where(self._tried < self.min_pulls, np.inf, draw)
