@@ -313,3 +313,31 @@ def test_nested_fields_several_runs_scale_offset_and_absent_fields(copied_page):
               "where": {"method": ["ar", "hf_compiled"]}}
     rows = list(read_records(results / "bench_h100_s9473/hf_he/records.jsonl.gz"))
     assert sorted(page.measure(either)) == sorted(r["tps"] for r in rows if r["method"] in ("ar", "hf_compiled"))
+
+
+def test_pack_run_keeps_what_claims_read_and_drops_the_rest(tmp_path):
+    """scripts/pack_run.py: records lose text, rewards and provenance, tokens become a digest that
+    matches where outputs match; the summary is the printed tables without log prefixes."""
+    import sys
+    job = tmp_path / "job"
+    job.mkdir()
+    prov = {"commit": "abc", "hardware": {"cpu_count": 2}}
+    rows = [{"experiment": "decode", "method": m, "dataset": "mtbench", "prompt_id": "mtbench/1",
+             "turn": 0, "n_new_tokens": 3, "wall_s": 0.5, "tokens": toks, "text": "hi",
+             "rewards": [1.0], "provenance": prov}
+            for m, toks in (("ar", [1, 2, 3]), ("spec:x@3", [1, 2, 3]), ("spec:y@3", [1, 2, 4]))]
+    (job / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (job / "run.log").write_text("[2026-12-07 01:00:00,000][x][INFO] - records: r.jsonl\n"
+                                 "dataset  method  tps\n-------  ------  ---\n"
+                                 "[2026-12-07 01:00:01,000][x][INFO] - pooled tok/s over the run\n")
+    (job / "job_metrics.json").write_text("{}")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "pack_run.py"), str(job),
+                    str(tmp_path / "out")], check=True, capture_output=True)
+    packed = list(read_records(tmp_path / "out" / "records.jsonl.gz"))
+    assert [r["method"] for r in packed] == ["ar", "spec:x@3", "spec:y@3"]
+    assert not any({"text", "rewards", "provenance", "tokens"} & set(r) for r in packed)
+    digests = [r["tokens_sha256"] for r in packed]
+    assert digests[0] == digests[1] != digests[2]
+    assert json.loads((tmp_path / "out" / "provenance.json").read_text()) == prov
+    assert (tmp_path / "out" / "summary.txt").read_text() == (
+        "dataset  method  tps\n-------  ------  ---\npooled tok/s over the run\n")
