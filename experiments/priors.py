@@ -61,23 +61,31 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
         if not policy.takes_priors:
             log.info("priors: bandit=%s does not start from priors; it starts cold", policy.label)
             continue
-        if len(domains) != 1:
-            log.info("priors: the prompts mix domains %s and priors are per domain; %s starts "
-                     "cold", domains, policy.label)
+        per_domain = len(domains) != 1 and "domain" in policy.context_keys
+        if len(domains) != 1 and not per_domain:
+            log.info("priors: the prompts mix domains %s and priors are per domain; %s is not "
+                     "keyed on the domain and starts cold", domains, policy.label)
             continue
-        key = prior_key(cfg, arm_labels, domains[0], policy.reward_kind)
-        priors = load_priors(repo_path(conf.path), key)
-        if priors is None:
-            log.info("priors: %s; %s starts cold", describe_miss(repo_path(conf.path), key),
-                     policy.label)
-            continue
-        pulls, means, costs = priors.aligned(arm_labels)
-        policy.warm_start(pulls, means, costs, weight=float(conf.weight))
-        path = str(repo_path(conf.path) / key.filename)
-        used[policy.label] = path
-        log.info("priors: %s starts from %s (per arm, up to %g steps each: %s)", policy.label,
-                 path, float(conf.weight),
-                 ", ".join(f"{a} {m:.3g} x{int(n)}" for a, m, n in zip(arm_labels, means, pulls)))
+        paths = []
+        for domain in domains:
+            key = prior_key(cfg, arm_labels, domain, policy.reward_kind)
+            priors = load_priors(repo_path(conf.path), key)
+            if priors is None:
+                log.info("priors: %s; %s starts cold%s", describe_miss(repo_path(conf.path), key),
+                         policy.label, f" on {domain}" if per_domain else "")
+                continue
+            pulls, means, costs = priors.aligned(arm_labels)
+            if per_domain:
+                policy.warm_start_domain(domain, pulls, means, costs, weight=float(conf.weight))
+            else:
+                policy.warm_start(pulls, means, costs, weight=float(conf.weight))
+            paths.append(str(repo_path(conf.path) / key.filename))
+            log.info("priors: %s starts%s from %s (per arm, up to %g steps each: %s)",
+                     policy.label, f" on {domain}" if per_domain else "", paths[-1],
+                     float(conf.weight),
+                     ", ".join(f"{a} {m:.3g} x{int(n)}" for a, m, n in zip(arm_labels, means, pulls)))
+        if paths:
+            used[policy.label] = ", ".join(paths)
     return used
 
 

@@ -182,6 +182,34 @@ def test_decode_job_warm_starts_from_its_key_only(tmp_path, caplog):
         assert policy.counts.sum() == 0 and said in caplog.text, caplog.text
 
 
+def test_a_policy_keyed_on_the_domain_starts_each_domain_from_its_own_priors(tmp_path, caplog):
+    """A mixed stream's contexts start from their domain's store file: code favours the last
+    arm, chat the first, in every n-gram-match context; a domain without a file starts cold;
+    priors after the first update are refused."""
+    from experiments import priors as carried
+    from flashspec.bandits import PerDomain
+    cfg = composed("bandit=ucb1", f"priors.path={tmp_path}")
+    labels = [a.label for a in config_arms(cfg.drafters)]
+    for domain, means in (("code", np.linspace(0.3, 0.9, len(labels))),
+                          ("chat", np.linspace(0.9, 0.3, len(labels)))):
+        save_priors(tmp_path, Priors(carried.prior_key(cfg, labels, domain, "alpha"),
+                                     {a: ArmStats(30, float(m)) for a, m in zip(labels, means)}))
+    policy = PerDomain(len(labels), seed=0, inner=UCB1, key=["domain", "ngram_match"])
+    caplog.set_level(logging.INFO)
+    used = carried.warm_start(cfg, [policy], labels, _prompts("code", "chat", "math"))
+    assert list(used) == [policy.label] and used[policy.label].count(".json") == 2
+    assert "starts cold on math" in caplog.text
+    for match in (0, 3):
+        assert policy.select({"domain": "code", "ngram_match": match}) == len(labels) - 1
+        assert policy.select({"domain": "chat", "ngram_match": match}) == 0
+    assert policy.per_domain == {}   # seeded, not yet updated
+    policy.update(0, 1.0, context={"domain": "chat", "ngram_match": 0})
+    with pytest.raises(FlashSpecError, match="first update"):
+        policy.warm_start_domain("math", [1] * len(labels), [0.5] * len(labels))
+    with pytest.raises(FlashSpecError, match="keyed on the domain"):
+        PerDomain(2, inner=UCB1, key="ngram_match").warm_start_domain("code", [1, 1], [0.5, 0.5])
+
+
 def test_decode_job_writes_what_each_arm_measured(tmp_path):
     """Each arm's stats come from its records played alone; an arm the job did not play alone
     gets the steps the policy's method played it (arms and rewards aligned)."""

@@ -23,6 +23,10 @@ class PerDomain(Policy):
     Steps without that key share one policy (key None). ``update`` goes to the context it is
     given, or to the one of the last ``select`` when it is given none. ``counts`` / ``values``
     aggregate over domains; ``per_domain`` has the breakdown.
+
+    Priors (when ``inner`` takes them): :meth:`warm_start` seeds every context's policy alike,
+    :meth:`warm_start_domain` only those whose domain is the one given (a stream that mixes
+    domains keeps one store file per domain). A context's policy is seeded when it is made.
     """
 
     name = "contextual"
@@ -38,11 +42,46 @@ class PerDomain(Policy):
                                  f"distinct ones (e.g. [domain, ngram_match]), got {key!r}")
         self.policies: dict[object, Policy] = {}
         self._last_key: object = None
+        # priors for every context (key None) or for one domain: (pulls, means, costs, weight)
+        self._priors: dict[object, tuple] = {}
         first = self._policy(None)  # validate the inner policy now rather than at the first step
         if isinstance(first, PerDomain):
             raise FlashSpecError("bandit=contextual: inner must be a non-contextual policy, "
                                  "e.g. inner: {_target_: flashspec.bandits.ThompsonSampling}")
         self.inner_name = first.name
+        self.takes_priors = first.takes_priors
+
+    def warm_start(self, pulls: Sequence[float], means: Sequence[float],
+                   costs: Sequence[float] | None = None, weight: float = 20.0) -> None:
+        """Every context's policy starts from these stats (see :meth:`Policy.warm_start`)."""
+        super().warm_start(pulls, means, costs, weight)
+        self._set_priors(None, (pulls, means, costs, weight))
+
+    def warm_start_domain(self, domain: str, pulls: Sequence[float], means: Sequence[float],
+                          costs: Sequence[float] | None = None, weight: float = 20.0) -> None:
+        """The policies of the contexts of ``domain`` start from these stats."""
+        if "domain" not in self.keys:
+            raise FlashSpecError(f"bandit={self.label}: priors per domain need a policy keyed "
+                                 f"on the domain (key: {list(self.keys)})")
+        if not self.takes_priors:
+            raise FlashSpecError(f"bandit={self.label}: its inner policy does not start from "
+                                 "priors; run it cold (priors.use=false)")
+        self._set_priors(str(domain), (pulls, means, costs, weight))
+
+    def _set_priors(self, domain: str | None, priors: tuple) -> None:
+        if any(p.t for p in self.policies.values()):
+            raise FlashSpecError(f"bandit={self.label}: priors after the first update; they "
+                                 "only seed a fresh policy")
+        self._priors[domain] = priors
+        for key in list(self.policies):   # made before the priors came: make them again
+            if self._domain_of(key) == domain or domain is None:
+                del self.policies[key]
+
+    def _domain_of(self, key: object) -> object:
+        if "domain" not in self.keys:
+            return None
+        return key if len(self.keys) == 1 else (key[self.keys.index("domain")]
+                                                if isinstance(key, tuple) else None)
 
     @property
     def context_keys(self) -> tuple[str, ...]:
@@ -67,9 +106,14 @@ class PerDomain(Policy):
     def _policy(self, key: object) -> Policy:
         if key not in self.policies:
             seeds = [derive_seed(s, key) for s in self.seeds]
-            self.policies[key] = self.inner(self.n_arms, seeds, reward_scale=self.reward_scale)
+            policy = self.inner(self.n_arms, seeds, reward_scale=self.reward_scale)
             if self.arm_specs is not None:
-                self.policies[key].bind_arms(self.arm_specs)
+                policy.bind_arms(self.arm_specs)
+            priors = self._priors.get(self._domain_of(key), self._priors.get(None))
+            if priors is not None:
+                pulls, means, costs, weight = priors
+                policy.warm_start(pulls, means, costs, weight=weight)
+            self.policies[key] = policy
         return self.policies[key]
 
     def _key(self, context: Context) -> object:
