@@ -3,8 +3,8 @@
 
     python scripts/collect.py outputs/ [more dirs or .jsonl files] -o outputs/results.parquet
 
-Every ``*.jsonl`` under the given paths is read (``wandb/`` and hidden folders skipped). A
-record's job dir is its nearest ancestor holding ``.hydra/config.yaml``; its sweep dir is the
+Every ``*.jsonl`` and ``*.jsonl.gz`` under the given paths is read (``wandb/`` and hidden
+folders skipped). A record's job dir is its nearest ancestor holding ``.hydra/config.yaml``; its sweep dir is the
 nearest ancestor of the job dir holding Hydra's ``multirun.yaml``. Added columns: ``run_dir``,
 ``sweep_dir``, ``overrides`` (the job's overrides joined by spaces), one ``ov.<key>`` column per
 override key, ``swept`` (the overrides whose values differ between the jobs of the sweep, e.g.
@@ -58,10 +58,14 @@ DECODE_COLUMNS = [*DecodeRecord.columns(), "provenance"]
 
 
 def record_files(paths: Iterable[Path]) -> list[Path]:
-    """Every JSONL file under ``paths`` (files are taken as given), skipping wandb/ and dot dirs
-    and each run directory's history of replaced configs (JSONL too, but no records)."""
-    return [f for f in find_files(paths, "*.jsonl", take_files=lambda f: f.suffix == ".jsonl")
-            if f.name != RUN_CONFIG_HISTORY]
+    """Every JSONL file under ``paths``, gzipped ones too (committed records are), files taken as
+    given; skipping wandb/ and dot dirs and each run directory's history of replaced configs
+    (JSONL too, but no records)."""
+    def is_records(f: Path) -> bool:
+        return f.name.endswith((".jsonl", ".jsonl.gz"))
+    found = sorted({f for pattern in ("*.jsonl", "*.jsonl.gz")
+                    for f in find_files(paths, pattern, take_files=is_records)})
+    return [f for f in found if f.name != RUN_CONFIG_HISTORY]
 
 
 def metric_files(paths: Iterable[Path]) -> list[Path]:

@@ -142,6 +142,19 @@ def test_collect_groups_other_experiments_and_reads_overrides(tmp_path: Path):
     assert list(df.loc[0, "extra"]) == [1, 2] and df.loc[1, "extra"] is None
 
 
+def test_collect_reads_gzipped_records_beside_raw_ones(tmp_path: Path):
+    """Committed records are gzipped (scripts/pack_run.py): a folder holding one raw and one
+    gzipped file of decode records yields the rows of both."""
+    import gzip
+    rows = [{"experiment": "decode", "method": "ar", "dataset": d, "prompt_id": f"{d}/0", "turn": 0,
+             "n_new_tokens": 8, "wall_s": 1.0} for d in ("humaneval", "gsm8k")]
+    (tmp_path / "humaneval.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with gzip.open(tmp_path / "gsm8k.jsonl.gz", "wt") as f:
+        f.write(json.dumps(rows[1]) + "\n")
+    assert [f.name for f in collect.record_files([tmp_path])] == ["gsm8k.jsonl.gz", "humaneval.jsonl"]
+    assert sorted(r["dataset"] for r in collect.iter_rows([tmp_path])) == ["gsm8k", "humaneval"]
+
+
 def test_collect_without_records_fails_with_one_line(tmp_path: Path, capsys):
     assert collect.main([str(tmp_path), "-o", str(tmp_path / "r.parquet")]) == 2
     err = capsys.readouterr().err.strip()
