@@ -68,11 +68,12 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
             continue
         paths = []
         for domain in domains:
+            where = f" on {domain}" if per_domain else ""
             key = prior_key(cfg, arm_labels, domain, policy.reward_kind)
             priors = load_priors(repo_path(conf.path), key)
             if priors is None:
                 log.info("priors: %s; %s starts cold%s", describe_miss(repo_path(conf.path), key),
-                         policy.label, f" on {domain}" if per_domain else "")
+                         policy.label, where)
                 continue
             pulls, means, costs = priors.aligned(arm_labels)
             if per_domain:
@@ -81,7 +82,7 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
                 policy.warm_start(pulls, means, costs, weight=float(conf.weight))
             paths.append(str(repo_path(conf.path) / key.filename))
             log.info("priors: %s starts%s from %s (per arm, up to %g steps each: %s)",
-                     policy.label, f" on {domain}" if per_domain else "", paths[-1],
+                     policy.label, where, paths[-1],
                      float(conf.weight),
                      ", ".join(f"{a} {m:.3g} x{int(n)}" for a, m, n in zip(arm_labels, means, pulls)))
         if paths:

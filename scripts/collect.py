@@ -4,12 +4,12 @@
     python scripts/collect.py outputs/ [more dirs or .jsonl files] -o outputs/results.parquet
 
 Every ``*.jsonl`` and ``*.jsonl.gz`` under the given paths is read (``wandb/`` and hidden
-folders skipped). A record's job dir is its nearest ancestor holding ``.hydra/config.yaml``; its sweep dir is the
-nearest ancestor of the job dir holding Hydra's ``multirun.yaml``. Added columns: ``run_dir``,
-``sweep_dir``, ``overrides`` (the job's overrides joined by spaces), one ``ov.<key>`` column per
-override key, ``swept`` (the overrides whose values differ between the jobs of the sweep, e.g.
-``bandit=ucb1``; empty outside a sweep), ``commit``, ``hardware``, ``seed`` (from provenance; the
-full block stays as JSON in ``provenance``).
+folders skipped). A record's job dir is its nearest ancestor holding ``.hydra/config.yaml``;
+its sweep dir is the nearest ancestor of the job dir holding Hydra's ``multirun.yaml``. Added
+columns: ``run_dir``, ``sweep_dir``, ``overrides`` (the job's overrides joined by spaces), one
+``ov.<key>`` column per override key, ``swept`` (the overrides whose values differ between the
+jobs of the sweep, e.g. ``bandit=ucb1``; empty outside a sweep), ``commit``, ``hardware``,
+``seed`` (from provenance; the full block stays as JSON in ``provenance``).
 
 Tables written (each as parquet and as CSV, lists and dicts as JSON text in the CSV):
 
@@ -63,9 +63,8 @@ def record_files(paths: Iterable[Path]) -> list[Path]:
     (JSONL too, but no records)."""
     def is_records(f: Path) -> bool:
         return f.name.endswith((".jsonl", ".jsonl.gz"))
-    found = sorted({f for pattern in ("*.jsonl", "*.jsonl.gz")
-                    for f in find_files(paths, pattern, take_files=is_records)})
-    return [f for f in found if f.name != RUN_CONFIG_HISTORY]
+    return [f for f in find_files(paths, "*.jsonl*", take_files=is_records)
+            if is_records(f) and f.name != RUN_CONFIG_HISTORY]
 
 
 def metric_files(paths: Iterable[Path]) -> list[Path]:

@@ -42,7 +42,8 @@ class RateStats:
         self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc = (
             np.zeros(shape) for _ in range(7))
         self.prior_x, self.prior_c = np.zeros(shape), np.zeros(shape)   # pseudo-steps (seed)
-        self.steps = np.zeros(shape)   # observed steps, never faded
+        # never faded: steps observed, and pseudo-steps seeded (what backs an arm at all)
+        self.steps, self.seeded = np.zeros(shape), np.zeros(shape)
 
     def observe(self, r: np.ndarray, c: np.ndarray) -> None:
         """One round: ``r`` rewards and ``c`` costs, NaN where an arm was not observed."""
@@ -66,6 +67,7 @@ class RateStats:
         """``n[k]`` pseudo-steps of rate ``mean[k]`` at cost ``cost[k]`` (scaled by
         :meth:`speed` when read)."""
         self.n += n
+        self.seeded += n
         self.prior_x += n * mean * cost
         self.prior_c += n * cost
 
@@ -136,19 +138,14 @@ class RateThompson(Policy):
             self.name = "d_rate_thompson"
         self.explore, self.min_pulls = float(explore), int(min_pulls)
         self.rates = RateStats((self.n_envs, self.n_arms), prior_weight, self.discount)
-        self._tried = np.zeros((self.n_envs, self.n_arms))   # steps observed, never faded
-
-    def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
-        super()._seed_prior(n, mean, cost)
-        self._tried += n
 
     def _observe(self, r: np.ndarray, c: np.ndarray, pulled: np.ndarray | None, context: Context) -> None:
         if self.discount < 1.0:   # the counts behind min_pulls fade too (RateStats fades its own)
             for sums in (self._counts, self._sums, self._cost_sums):
                 sums *= self.discount
         super()._observe(r, c, pulled, context)
-        self._tried += ~np.isnan(r)
 
     def _scores(self, context: Context) -> np.ndarray:
         draw = self.rates.draw(self.rngs, self.explore)
-        return np.where(self._tried < self.min_pulls, np.inf, draw)
+        tried = self.rates.steps + self.rates.seeded
+        return np.where(tried < self.min_pulls, np.inf, draw)
