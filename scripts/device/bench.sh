@@ -27,8 +27,8 @@
 # included). trees: experiment=tree_tau (the 16-node trees against the 16-deep chain, τ and
 # tok/s, greedy and T = 1, both datasets). hf: HF `generate` eager and compiled (static cache)
 # beside our AR on the bench's prompts (the headline's HF row). tests: the compiled kernels'
-# tests on CUDA (TRITON_INTERPRET=0 pytest tests/test_triton_tree.py tests/test_triton_verify.py
-# tests/test_grid_limits.py); pytest, pluggy, iniconfig, hypothesis, attrs and sortedcontainers
+# tests on CUDA (TRITON_INTERPRET=0 pytest tests/test_triton_head.py tests/test_triton_tree.py
+# tests/test_triton_verify.py tests/test_grid_limits.py); pytest, pluggy, iniconfig, hypothesis, attrs and sortedcontainers
 # travel as wheels in .whl/test/ (python 3.12 builds: pip download --python-version 3.12).
 set -o pipefail
 if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
@@ -59,7 +59,7 @@ one() {
               dataset.seed=$SEED dataset=humaneval,mtbench dataset.n_prompts=24 +experiment.max_turns=1 \
               'experiment.methods=[ar,hf_generate,hf_compiled]' 'experiment.references=[]' hydra.sweep.dir=$OUT/hf ;;
     tests)  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/test/*.whl &&
-            TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_triton_tree.py \
+            TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_triton_head.py tests/test_triton_tree.py \
               tests/test_triton_verify.py tests/test_grid_limits.py ;;
     *) echo "unknown cell $1 (greedy | t1 | b32 | profile | kernels | heads | trees | hf | tests)" >&2; return 2 ;;
   esac
