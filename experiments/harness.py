@@ -151,7 +151,13 @@ def build_arms(cfg_drafters: Mapping[str, Any], drafters: Mapping[str, Drafter])
 
 
 def make_policy(cfg_bandit: DictConfig, n_arms: int, seed: int) -> Policy:
-    return build(cfg_bandit)(n_arms=n_arms, seed=seed)
+    """The bandit node's policy; ``cold: true`` in the node keeps it from stored priors (a cold
+    twin of a warm policy in the same run, labelled ``.../cold``)."""
+    node = OmegaConf.masked_copy(cfg_bandit, [k for k in cfg_bandit if k != "cold"]) \
+        if "cold" in cfg_bandit else cfg_bandit
+    policy = build(node)(n_arms=n_arms, seed=seed)
+    policy.cold = bool(cfg_bandit.get("cold", False))
+    return policy
 
 
 def make_planner(cfg: DictConfig) -> WidthPlanner | None:

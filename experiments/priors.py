@@ -61,6 +61,9 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
         if not policy.takes_priors:
             log.info("priors: bandit=%s does not start from priors; it starts cold", policy.label)
             continue
+        if policy.cold:
+            log.info("priors: bandit=%s is set cold (cold: true); it starts cold", policy.label)
+            continue
         per_domain = len(domains) != 1 and "domain" in policy.context_keys
         if len(domains) != 1 and not per_domain:
             log.info("priors: the prompts mix domains %s and priors are per domain; %s is not "

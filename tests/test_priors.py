@@ -7,8 +7,9 @@ import logging
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
-from experiments.harness import config_arms
+from experiments.harness import config_arms, make_policy
 from flashspec.bandits import UCB1, EpsilonGreedy, SlidingWindowUCB, ThompsonSampling
 from flashspec.bandits.priors import (ArmStats, PriorKey, Priors, arm_stats, describe_miss,
                                       load_priors, save_priors)
@@ -153,7 +154,7 @@ def _prompts(*domains: str) -> list[Prompt]:
 def test_decode_job_warm_starts_from_its_key_only(tmp_path, caplog):
     """experiments/priors.py: the job's key (target, hardware, drafters, sampling, domain,
     reward) finds the store a job of the same setting wrote; a mixed-domain run, another head,
-    priors.use=false and a policy that takes no priors start cold, each saying so."""
+    priors.use=false, a policy that takes no priors and one set cold start cold, each saying so."""
     from experiments import priors as carried
     cfg = composed("bandit=ucb1", f"priors.path={tmp_path}")
     labels = [a.label for a in config_arms(cfg.drafters)]
@@ -176,7 +177,10 @@ def test_decode_job_warm_starts_from_its_key_only(tmp_path, caplog):
              UCB1(len(labels)), "other drafters"),
             (composed(f"priors.path={tmp_path}", "priors.use=false"), _prompts("code"),
              UCB1(len(labels)), "start cold"),
-            (cfg, _prompts("code"), SlidingWindowUCB(len(labels)), "does not start from")]:
+            (cfg, _prompts("code"), SlidingWindowUCB(len(labels)), "does not start from"),
+            (cfg, _prompts("code"), make_policy(OmegaConf.create(
+                {"_target_": "flashspec.bandits.UCB1", "_partial_": True, "cold": True}),
+                len(labels), 0), "is set cold")]:
         caplog.clear()
         assert carried.warm_start(c, [policy], labels, prompts) == {}
         assert policy.counts.sum() == 0 and said in caplog.text, caplog.text

@@ -87,6 +87,9 @@ class Policy:
     name = "policy"
     learns = True
     takes_priors = False   # warm_start supported: a policy whose state is counts and sums
+    # never seeded from stored priors, whatever the run's priors.use: a cold twin of a warm
+    # policy in the same run (label suffix "/cold"); set by the runner from the bandit's config
+    cold = False
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, reward: str = "alpha",
                  reward_scale: float = 1.0, full_info: bool = False) -> None:
@@ -180,7 +183,8 @@ class Policy:
     @property
     def label(self) -> str:
         """Short name for records and tables: ``ucb1``, ``ucb1/tps``, ``contextual[ngram_hit]/tps``."""
-        return self.name + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}")
+        return self.name + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}") + \
+            ("/cold" if self.cold else "")
 
     # ---------------------------------------------------------------- scalar API (engine)
     def select(self, context: Context = None) -> int:
