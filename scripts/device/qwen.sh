@@ -12,6 +12,7 @@
 #   bash scripts/device/qwen.sh setup            # join, check the pins, convert (~4 min)
 #   S=<a seed no record used> bash scripts/device/qwen.sh he mt gsm fp32 nf4 heads
 #                                                # carry .whl, .bnb (nf4) and .cache/data
+#   EXTRA="k=v ..." adds overrides to every measurement stage (runtime.kernels.head_triton=true)
 #   S=<seed> bash scripts/device/qwen.sh train   # an EAGLE drafter for the 1.5B (1.5B parts
 #                                                # only): experiment=train_drafter_qwen, one
 #                                                # call-sized piece per call (repeat until its
@@ -65,7 +66,7 @@ R=/tmp/qwen_runs; mkdir -p $R
 QD=/dev/shm/qwen_drafter           # the drafter's run dir and data cache (~160 MB checkpoint: it
 DRAFTER=${DRAFTER:-$QD/train/eagle_best.safetensors}  # stays on the box (the stage ckpt brings
                                    # it back in pieces); its records and .json come back)
-BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
+BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24 ${EXTRA:-}"
 ARMS="experiment.references=[each_arm] bandit=ucb1"   # every arm alone beside UCB1 over them
 DEC="$BASE drafters=qwen_coder $ARMS"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
