@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flashspec.bandits import Policy
 from flashspec.bandits.priors import (ArmStats, PriorKey, Priors, arm_stats, describe_miss,
-                                      load_priors, save_priors)
+                                      load_priors, pooled, save_priors)
 from flashspec.data import Prompt
 from flashspec.metrics import method_records
 from flashspec.paths import repo_path
@@ -64,12 +64,12 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
         if policy.cold:
             log.info("priors: bandit=%s is set cold (cold: true); it starts cold", policy.label)
             continue
+        # a stream of several domains: a policy keyed on the domain starts each domain's
+        # contexts from that domain's file; one that is not starts from all of them pooled
+        # (the stream's mixture), and only where every domain has one
         per_domain = len(domains) != 1 and "domain" in policy.context_keys
-        if len(domains) != 1 and not per_domain:
-            log.info("priors: the prompts mix domains %s and priors are per domain; %s is not "
-                     "keyed on the domain and starts cold", domains, policy.label)
-            continue
-        paths = []
+        mixed = len(domains) != 1 and not per_domain
+        paths, parts = [], []
         for domain in domains:
             where = f" on {domain}" if per_domain else ""
             key = prior_key(cfg, arm_labels, domain, policy.reward_kind)
@@ -77,20 +77,37 @@ def warm_start(cfg: DictConfig, policies: Sequence[Policy], arm_labels: Sequence
             if priors is None:
                 log.info("priors: %s; %s starts cold%s", describe_miss(repo_path(conf.path), key),
                          policy.label, where)
+                if mixed:
+                    break
                 continue
             pulls, means, costs = priors.aligned(arm_labels)
+            paths.append(str(repo_path(conf.path) / key.filename))
+            if mixed:
+                parts.append((pulls, means, costs))
+                continue
             if per_domain:
                 policy.warm_start_domain(domain, pulls, means, costs, weight=float(conf.weight))
             else:
                 policy.warm_start(pulls, means, costs, weight=float(conf.weight))
-            paths.append(str(repo_path(conf.path) / key.filename))
-            log.info("priors: %s starts%s from %s (per arm, up to %g steps each: %s)",
-                     policy.label, where, paths[-1],
-                     float(conf.weight),
-                     ", ".join(f"{a} {m:.3g} x{int(n)}" for a, m, n in zip(arm_labels, means, pulls)))
+            _said(policy, where, paths[-1], float(conf.weight), arm_labels, means, pulls)
+        if mixed:
+            if len(parts) != len(domains):
+                paths = []
+            else:
+                pulls, means, costs = pooled(parts, policy.reward_kind)
+                policy.warm_start(pulls, means, costs, weight=float(conf.weight))
+                _said(policy, f" on {'+'.join(domains)} pooled (it does not tell them apart)",
+                      ", ".join(paths), float(conf.weight), arm_labels, means, pulls)
         if paths:
             used[policy.label] = ", ".join(paths)
     return used
+
+
+def _said(policy: Policy, where: str, path: str, weight: float, arm_labels: Sequence[str],
+          means: Sequence[float], pulls: Sequence[float]) -> None:
+    log.info("priors: %s starts%s from %s (per arm, up to %g steps each: %s)", policy.label,
+             where, path, weight,
+             ", ".join(f"{a} {m:.3g} x{int(n)}" for a, m, n in zip(arm_labels, means, pulls)))
 
 
 def measured(records: list[dict[str, Any]], arm_labels: Sequence[str], arm_methods: dict[int, str],

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from experiments.harness import config_arms, make_policy
 from flashspec.bandits import UCB1, EpsilonGreedy, SlidingWindowUCB, ThompsonSampling
-from flashspec.bandits.priors import (ArmStats, PriorKey, Priors, arm_stats, describe_miss,
+from flashspec.bandits.priors import (ArmStats, PriorKey, Priors, arm_stats, describe_miss, pooled,
                                       load_priors, save_priors)
 from flashspec.bandits.sim import draw_rewards, env_seeds, make_scenario, simulate
 from flashspec.core import Arm
@@ -172,7 +172,7 @@ def test_decode_job_warm_starts_from_its_key_only(tmp_path, caplog):
     used = carried.warm_start(cfg, [policy], labels, _prompts("code", "code"))
     assert list(used) == ["ucb1"] and policy.select() == len(labels) - 1
     for c, prompts, policy, said in [
-            (cfg, _prompts("code", "chat"), UCB1(len(labels)), "mix domains"),
+            (cfg, _prompts("code", "chat"), UCB1(len(labels)), "domain chat"),  # not pooled
             (composed("head.rank=d/16", f"priors.path={tmp_path}"), _prompts("code"),
              UCB1(len(labels)), "other drafters"),
             (composed(f"priors.path={tmp_path}", "priors.use=false"), _prompts("code"),
@@ -212,6 +212,38 @@ def test_a_policy_keyed_on_the_domain_starts_each_domain_from_its_own_priors(tmp
         policy.warm_start_domain("math", [1] * len(labels), [0.5] * len(labels))
     with pytest.raises(FlashSpecError, match="keyed on the domain"):
         PerDomain(2, inner=UCB1, key="ngram_match").warm_start_domain("code", [1, 1], [0.5, 0.5])
+
+
+def test_a_policy_blind_to_the_domain_starts_from_every_domain_pooled(tmp_path, caplog):
+    """On a mixed stream a policy not keyed on the domain starts from the domains' files
+    pooled as the stream's mixture: tps means weighted by seconds (pulls x cost), so the
+    pooled rate is tokens over seconds across both files, not the mean of the two rates."""
+    from experiments import priors as carried
+    cfg = composed("bandit=ucb1", f"priors.path={tmp_path}", "priors.weight=20")
+    labels = [a.label for a in config_arms(cfg.drafters)]
+    k = len(labels)
+    files = {"code": (np.full(k, 30.0), np.linspace(10, 40, k), np.full(k, 0.1)),
+             "chat": (np.full(k, 10.0), np.linspace(40, 10, k), np.full(k, 0.2))}
+    for domain, (n, m, c) in files.items():
+        save_priors(tmp_path, Priors(carried.prior_key(cfg, labels, domain, "tps"),
+                                     {a: ArmStats(int(n[i]), float(m[i]), float(c[i]))
+                                      for i, a in enumerate(labels)}))
+    pulls, means, costs = pooled(list(files.values()), "tps")
+    seconds = {d: n * c for d, (n, _, c) in files.items()}
+    tokens = sum(m * seconds[d] for d, (_, m, _) in files.items())
+    np.testing.assert_allclose(means, tokens / (seconds["code"] + seconds["chat"]))
+    np.testing.assert_allclose(pulls, 40.0)
+    np.testing.assert_allclose(costs, (30 * 0.1 + 10 * 0.2) / 40)
+    assert means[-1] > means[0]   # code's 3 s outweigh chat's 2 s
+    # α (no seconds in it) pools by steps
+    np.testing.assert_allclose(pooled(list(files.values()), "alpha")[1],
+                               (30 * files["code"][1] + 10 * files["chat"][1]) / 40)
+    policy = make_policy(OmegaConf.create({"_target_": "flashspec.bandits.UCB1",
+                                           "_partial_": True, "reward": "tps"}), k, 0)
+    caplog.set_level(logging.INFO)
+    used = carried.warm_start(cfg, [policy], labels, _prompts("code", "chat"))
+    assert used[policy.label].count(".json") == 2 and "chat+code pooled" in caplog.text
+    np.testing.assert_allclose(policy.counts[0], 20.0)   # priors.weight caps each arm
 
 
 def test_decode_job_writes_what_each_arm_measured(tmp_path):

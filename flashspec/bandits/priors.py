@@ -180,5 +180,28 @@ def arm_stats(rewards: Iterable[float], cost: float | None = None) -> ArmStats:
                     float(cost) if cost is not None and cost > 0 else None)
 
 
+def pooled(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], reward: str
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One ``(pulls, means, costs)`` from several (each as :meth:`Priors.aligned` gives it, in
+    one arm order): what the arms made over all of them together. A ``tps`` mean is a pooled
+    rate (tokens over seconds), so it pools weighted by each part's seconds (pulls x cost);
+    other means, and arms without a cost, pool weighted by pulls."""
+    if not parts:
+        raise FlashSpecError("pooled: no priors to pool")
+    n = np.stack([p[0] for p in parts])
+    mean = np.stack([p[1] for p in parts])
+    cost = np.stack([p[2] for p in parts])
+    timed = reward == "tps" and bool(np.isfinite(cost).all())
+    w = n * cost if timed else n
+    total = w.sum(axis=0)
+    safe = np.where(total > 0, total, 1.0)
+    means = np.where(total > 0, (w * mean).sum(axis=0) / safe, mean.mean(axis=0))
+    pulls = n.sum(axis=0)
+    costs = np.where(pulls > 0, (n * np.nan_to_num(cost, nan=0.0)).sum(axis=0)
+                     / np.where(pulls > 0, pulls, 1.0), np.nan)
+    costs = np.where(np.isfinite(cost).all(axis=0), costs, np.nan)
+    return pulls, means, costs
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "_", str(text)).strip("_") or "none"
