@@ -183,7 +183,11 @@ class Policy:
     @property
     def label(self) -> str:
         """Short name for records and tables: ``ucb1``, ``ucb1/tps``, ``contextual[ngram_hit]/tps``."""
-        return self.name + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}") + \
+        return self.name + self._label_suffix()
+
+    def _label_suffix(self) -> str:
+        """What every label ends with: the reward kind unless α, then ``/cold`` for a cold twin."""
+        return ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}") + \
             ("/cold" if self.cold else "")
 
     # ---------------------------------------------------------------- scalar API (engine)

@@ -101,8 +101,7 @@ class PerDomain(Policy):
     def label(self) -> str:
         inner = "" if self.inner_name == "thompson" else f"({self.inner_name})"
         key = "" if self.keys == ("domain",) else f"[{'+'.join(self.keys)}]"
-        return self.name + key + inner + ("" if self.reward_kind == "alpha" else f"/{self.reward_kind}") \
-            + ("/cold" if self.cold else "")
+        return self.name + key + inner + self._label_suffix()
 
     def _policy(self, key: object) -> Policy:
         if key not in self.policies:

@@ -188,18 +188,15 @@ def pooled(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], reward: s
     other means, and arms without a cost, pool weighted by pulls."""
     if not parts:
         raise FlashSpecError("pooled: no priors to pool")
-    n = np.stack([p[0] for p in parts])
-    mean = np.stack([p[1] for p in parts])
-    cost = np.stack([p[2] for p in parts])
+    n, mean, cost = (np.stack(x) for x in zip(*parts))
     timed = reward == "tps" and bool(np.isfinite(cost).all())
     w = n * cost if timed else n
     total = w.sum(axis=0)
-    safe = np.where(total > 0, total, 1.0)
-    means = np.where(total > 0, (w * mean).sum(axis=0) / safe, mean.mean(axis=0))
+    means = np.divide((w * mean).sum(axis=0), total, out=mean.mean(axis=0), where=total > 0)
     pulls = n.sum(axis=0)
-    costs = np.where(pulls > 0, (n * np.nan_to_num(cost, nan=0.0)).sum(axis=0)
-                     / np.where(pulls > 0, pulls, 1.0), np.nan)
-    costs = np.where(np.isfinite(cost).all(axis=0), costs, np.nan)
+    known = np.isfinite(cost).all(axis=0) & (pulls > 0)
+    costs = np.divide((n * cost).sum(axis=0), pulls, out=np.full(pulls.shape, np.nan),
+                      where=known)
     return pulls, means, costs
 
 

@@ -15,6 +15,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from flashspec.heads import triton_head as th
 
@@ -70,7 +71,7 @@ def main() -> None:
             rows = []
             for bn, bk, warps, stages in itertools.product(
                     (32, 64, 128, 256), (64, 128, 256), (2, 4, 8), (1,)):
-                if bk > triton_next(r) or bn * bk > 32768:
+                if bk > max(16, triton.next_power_of_2(r)) or bn * bk > 32768:
                     continue
                 cfg = th.Config(bn, bk, warps, stages)
                 try:
@@ -93,13 +94,6 @@ def main() -> None:
             if bad:
                 print(f"    refused or wrong: {len(bad)}: {bad[:4]}")
             del down, up
-
-
-def triton_next(k: int) -> int:
-    p = 16
-    while p < k:
-        p *= 2
-    return p
 
 
 if __name__ == "__main__":
