@@ -37,10 +37,12 @@ class Config:
 
 
 def default_config(rows: int, k: int) -> Config:
-    """One row: 64-wide k chunks (a rank is a multiple of 16, so little is masked) and 64 rows
-    per program; more rows: 64 x 128 tiles for ``tl.dot``."""
+    """One row: 64-wide k chunks (a rank is a multiple of 16, so little is masked), 32 rows per
+    program and 8 warps (the most programs in flight per SM, each issuing few loads: the best or
+    within a few per cent of the best tile of scripts/device/head_tune.py at ranks 96 to 192,
+    V = 151,936, on an H100); more rows: 64 x 128 tiles for ``tl.dot``."""
     if rows == 1:
-        return Config(64, max(16, min(triton.next_power_of_2(k), 64)), 4, 1)
+        return Config(32, max(16, min(triton.next_power_of_2(k), 64)), 8, 1)
     return Config(64, max(16, min(triton.next_power_of_2(k), 128)), 4, 3)
 
 
