@@ -180,6 +180,7 @@ class ResidentLoop:
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
         self._next = 0
+        self._host_rows: list[list[int]] = []   # host_tokens' rows, started by load
 
     @property
     def capture_s(self) -> float:
@@ -332,6 +333,7 @@ class ResidentLoop:
         window padded to the prefill's bucket, one graph per bucket)."""
         s = self.state
         s.load(prompts, max_new_tokens, seed, calls)
+        self._host_rows = [list(p) for p in prompts]
         batch, longest = len(prompts), max(len(p) for p in prompts)
         width = bucketed(longest, s.dump)
         positions = torch.arange(width, device=s.tokens.device).expand(batch, width)
@@ -426,8 +428,17 @@ class ResidentLoop:
     def host_tokens(self) -> list[list[int]]:
         """Every row's committed tokens as they stand, for drafters' host facts: a device read
         that waits for the work in flight (a drafting queued ahead commits nothing), asked once
-        a chunk and only by a policy that conditions on such facts."""
-        return self.tokens()
+        a chunk and only by a policy that conditions on such facts. The same list per row from
+        one call to the next, extended by what was committed since: one read of the new span
+        instead of the whole buffer, and a host index over a row (the n-gram drafter's) stays
+        incremental instead of being rebuilt over the whole history every step."""
+        rows, lengths = self._host_rows, self.state.lengths.tolist()
+        lo, hi = min((len(r) for r in rows), default=0), max(lengths, default=0)
+        if hi > lo:
+            new = self.state.tokens[:, lo:hi].tolist()
+            for row, n, fresh in zip(rows, lengths, new):
+                row.extend(fresh[len(row) - lo:n - lo])
+        return rows
 
     def histogram(self) -> list[list[int]]:
         return self.state.hist.tolist()

@@ -367,6 +367,40 @@ def test_contextual_policy_reads_host_facts_under_the_captured_stepper(small, dr
     assert set(seen) == {True, False}
 
 
+def test_host_facts_are_read_incrementally_and_are_exact(small, drafters, eos, overlapped,
+                                                          monkeypatch):
+    """The captured stepper hands host facts the same row lists from chunk to chunk, extended
+    by what was committed since, so the n-gram drafter's index over a row is built once a
+    batch (not over the whole history every chunk, which made a contextual policy's steps
+    far longer than its arms' on a GPU). Every list it hands is the row's committed prefix and
+    every fact equals one computed from scratch on it; the reference stepper does the same."""
+    from flashspec.drafters import ngram
+
+    model, prompts = small
+    builds, handed = [], []
+    init, features = ngram.NgramIndex.__init__, ngram.NgramDrafter.features
+    monkeypatch.setattr(ngram.NgramIndex, "__init__",
+                        lambda self, *a: (builds.append(1), init(self, *a))[1])
+
+    def recorded(self, tokens, finished):
+        got = features(self, tokens, finished)
+        handed.append(([list(t) for t in tokens], list(finished), got))
+        return got
+
+    monkeypatch.setattr(ngram.NgramDrafter, "features", recorded)
+    arms = [Arm("ngram", 2), Arm("skip", 2)]
+    for resident in (False, True):
+        builds.clear(), handed.clear()
+        rows = run(model, prompts, arms, eos, drafters, resident=resident, chunk=2,
+                   policy=PerDomain(2, seed=0, key="ngram_match"))
+        assert len(builds) == len(prompts), (resident, len(builds))   # one index per row
+        assert len({len(h[0][0]) for h in handed}) >= 3   # several chunks read
+        final = [list(p) + r.tokens for p, r in zip(prompts, rows)]
+        for lists, finished, got in handed:
+            assert all(f[:len(t)] == t for f, t in zip(final, lists))
+            assert got == features(ngram.NgramDrafter(), lists, finished)
+
+
 def test_resident_refuses_what_it_cannot_run(small, drafters):
     model, _ = small
     arms = [Arm("ngram", 2), Arm("skip", 2)]
