@@ -52,8 +52,9 @@ class RateStats:
                          self.prior_x, self.prior_c):
                 sums *= self.discount
         seen = ~np.isnan(r)
-        x = np.where(seen, np.nan_to_num(r) * np.nan_to_num(c), 0.0)
-        cost = np.where(seen, np.nan_to_num(c), 0.0)
+        with np.errstate(invalid="ignore"):   # unobserved entries are NaN, and dropped
+            x = np.where(seen, r * c, 0.0)   # observed ones finite, costs > 0: Policy._check
+        cost = np.where(seen, c, 0.0)
         self.n += seen
         self.seen += seen
         self.steps += seen
@@ -74,6 +75,8 @@ class RateStats:
     def speed(self) -> np.ndarray:
         """``[envs, 1]``: this run's speed against the priors', over the arms observed that have
         a prior (1 where none is)."""
+        if not self.seeded.any():   # no priors (most runs): skip the arithmetic a step pays
+            return np.ones((self.n.shape[0], 1))
         prior_rate = np.divide(self.prior_x, self.prior_c, out=np.zeros_like(self.prior_x),
                                where=self.prior_c > 0)
         both = (self.c > 0) & (self.prior_c > 0)
@@ -85,11 +88,11 @@ class RateStats:
         x, c = self.x + self.speed() * self.prior_x, self.c + self.prior_c
         return np.divide(x, c, out=np.zeros_like(x), where=c > 0)
 
-    def sd(self) -> np.ndarray:
+    def sd(self, rate: np.ndarray | None = None) -> np.ndarray:
         """Standard error of the rate (0 where fewer than two steps back it). Faded evidence
         (``discount``) widens it without bound: an arm two real steps backed stays open to a
-        draw however long ago they were."""
-        rate = self.rate()
+        draw however long ago they were. ``rate``: :meth:`rate`, when the caller has it."""
+        rate = self.rate() if rate is None else rate
         resid = np.maximum(self.xx - 2.0 * rate * self.xc + rate * rate * self.cc, 0.0)
         dof = np.maximum(self.seen - 1.0, 0.0)
         pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
@@ -102,7 +105,8 @@ class RateStats:
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
         """One Thompson draw per replicate and arm: R̂ + explore · sd · N(0, 1)."""
         z = np.stack([g.standard_normal(self.n.shape[1]) for g in rngs])
-        return self.rate() + explore * self.sd() * z
+        rate = self.rate()
+        return rate + explore * self.sd(rate) * z
 
 
 class RateThompson(Policy):
