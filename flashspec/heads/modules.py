@@ -87,9 +87,9 @@ class LowRankHead(nn.Module):
 
     Opt in (``use_triton=True``, from ``KernelOptions.head_triton``): on CUDA with at most 16
     rows and no autograd, the up projection (small r, huge V) runs a Triton kernel
-    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS. Off by default: it beats cuBLAS's
-    GEMV at Qwen's ranks (96 to 192, V = 151,936) but not at small ranks
-    (scripts/device/head_tune.py), so a target's run turns it on where its rank gains.
+    (:mod:`flashspec.heads.triton_head`) instead of cuBLAS. Off by default: it beats cuBLAS at
+    the 128k-152k vocabularies (Qwen2.5, Llama-3.1) but not at SmolLM2's (V = 49,152) ranks 36
+    and 72 (RESULTS.md, experiment=head_bench), so a large-vocabulary target's run turns it on.
     """
 
     kind = "lowrank"
