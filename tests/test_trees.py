@@ -262,33 +262,60 @@ def smol():
     return model, tok, prompts, eagle
 
 
+@pytest.fixture(scope="module")
+def target_only(smol):
+    """The target's greedy rows (target-only AR in the reference stepper), decoded once for the
+    tests below instead of once or twice in each: 40 new tokens; an EOS that row 0 reaches
+    mid-stream (its first new token at index 6 or later); and 37 new tokens with that EOS."""
+    model, tok, prompts, _ = smol
+    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
+    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    ar_eos = SpecEngine(model, [Arm()], eos_ids=eos).generate(prompts, 37).rows
+    return ar, eos, ar_eos
+
+
+@pytest.fixture(scope="module")
+def eagle_tree(smol, target_only):
+    """``eagle_tree(spec)``: the trained drafter's tree arm of that shape in the reference
+    stepper, greedy, with the EOS and a budget of 37. Decoded once per shape for the module:
+    test_tree_greedy_equals_target_only checks it against the target, the resident and
+    drafted-ahead tests use it as their reference loop."""
+    model, _, prompts, eagle = smol
+    _, eos, _ = target_only
+    runs: dict[str, list] = {}
+
+    def run(spec: str) -> list:
+        if spec not in runs:
+            runs[spec] = SpecEngine(model, [Arm("eagle", tree=TreeShape.parse(spec))], drafters=[eagle],
+                                    eos_ids=eos).generate(prompts, 37).rows
+        return runs[spec]
+    return run
+
+
 @pytest.mark.parametrize("spec", ["3x2x1", "dyn12"])
-def test_tree_greedy_equals_target_only(smol, spec) -> None:
+def test_tree_greedy_equals_target_only(smol, target_only, eagle_tree, spec) -> None:
     """fp32 CPU, the trained drafter, a batch of prompts with ragged acceptance, an EOS that
     row 0 reaches mid-stream, and a budget that ends inside accepted runs."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
-    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
-    for new, eos_ids in ((40, []), (37, eos)):
-        ref = SpecEngine(model, [Arm()], eos_ids=eos_ids).generate(prompts, new).rows
-        out = SpecEngine(model, [Arm("eagle", tree=TreeShape.parse(spec))], drafters=[eagle], eos_ids=eos_ids
-                         ).generate(prompts, new).rows
+    ar, _, ar_eos = target_only
+    without_eos = SpecEngine(model, [Arm("eagle", tree=TreeShape.parse(spec))], drafters=[eagle]
+                             ).generate(prompts, 40).rows
+    for out, ref in ((without_eos, ar), (eagle_tree(spec), ar_eos)):
         assert [r.tokens for r in out] == [r.tokens for r in ref]
         assert sum(r.n_accepted for r in out) > 0
         assert all(sum(r.accept_hist) == r.steps for r in out)
 
 
 @pytest.mark.parametrize("spec", ["3x2x1", "dyn12"])
-def test_resident_tree_equals_reference_loop(smol, spec) -> None:
+def test_resident_tree_equals_reference_loop(smol, target_only, eagle_tree, spec) -> None:
     """A tree arm in the captured stepper (drafting over the device token buffer, one target pass
     over the whole cache, verify_tree, K/V compaction, features to the drafter; every step
     eager here) gives the reference stepper's tokens, steps, accepted counts and histograms:
     ragged acceptance, an EOS inside accepted runs, a budget that ends inside one."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
-    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    _, eos, _ = target_only
     arms = [Arm("eagle", tree=TreeShape.parse(spec))]
-    ref = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos).generate(prompts, 37).rows
+    ref = eagle_tree(spec)
     assert sum(r.n_accepted for r in ref) > 0
     for chunk in (1, 4):
         engine = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos, resident=True, chunk=chunk)
@@ -298,18 +325,14 @@ def test_resident_tree_equals_reference_loop(smol, spec) -> None:
                [(r.tokens, r.steps, r.n_accepted, r.accept_hist) for r in ref]
 
 
-def test_ngram_tree_greedy_equals_target_only(smol) -> None:
+def test_ngram_tree_greedy_equals_target_only(smol, target_only) -> None:
     """An n-gram draft tree (3 continuations, 4 deep) in the reference stepper and the captured
     stepper (eager, chunks of 1 and 4) gives the target's greedy tokens, with an EOS and a budget
     inside accepted runs; both loops take the same steps and accept the same counts, and the
     tree accepts more than the n-gram chain of its depth (its other branches are used)."""
     model, tok, prompts, _ = smol
-    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
-    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
-    # the target's greedy output with that EOS and a budget of 37: each row cut after its first
-    # EOS, then to 37 tokens (greedy decoding does not depend on where it will stop)
-    ref = [(r.tokens[:r.tokens.index(eos[0]) + 1] if eos[0] in r.tokens else r.tokens)[:37]
-           for r in ar]
+    _, eos, ar_eos = target_only
+    ref = [r.tokens for r in ar_eos]
     ngram = NgramDrafter()
     tree = SpecEngine(model, [Arm("ngram", tree=TreeShape.parse("3x1x1x1"))], drafters=[ngram], eos_ids=eos
                       ).generate(prompts, 37).rows
@@ -326,15 +349,15 @@ def test_ngram_tree_greedy_equals_target_only(smol) -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
-def test_tree_drafted_ahead_equals_reference_loop(smol, overlapped, chunk) -> None:
+def test_tree_drafted_ahead_equals_reference_loop(smol, target_only, eagle_tree, overlapped,
+                                                  chunk) -> None:
     """Driven as on a GPU (each chunk's first tree drafted before the host reads the chunk in
     flight), a resident tree arm gives the reference stepper's tokens, steps, accepted counts and
     histograms, an EOS inside accepted runs included."""
     model, tok, prompts, eagle = smol
-    ar = SpecEngine(model, [Arm()]).generate(prompts, 40).rows
-    eos = [next(t for i, t in enumerate(ar[0].tokens) if i >= 6 and t not in ar[0].tokens[:i])]
+    _, eos, _ = target_only
     arms = [Arm("eagle", tree=TreeShape.parse("dyn12"))]
-    ref = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos).generate(prompts, 37).rows
+    ref = eagle_tree("dyn12")    # the reference stepper (overlapped drives only resident loops ahead)
     engine = SpecEngine(model, arms, drafters=[eagle], eos_ids=eos, resident=True, chunk=chunk)
     engine.min_capacity = 256
     got = engine.generate(prompts, 37).rows
