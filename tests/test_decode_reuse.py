@@ -4,9 +4,6 @@ records, and the design card's sweep, run small, copies only what no swept setti
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -75,21 +72,16 @@ def test_count_jobs_of_a_sweep():
 
 
 @pytest.mark.slow
-def test_design_card_sweep_reuses_only_what_no_swept_setting_touches(tmp_path):
-    """`-m bandit=ucb1,thompson head.rank=d/8,d/16` at smoke size: the first job decodes every
-    method; later jobs copy AR and the full-head reference, and decode the policy's method and
-    each arm alone themselves (a policy is compared with arms timed beside it, in its job)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
-    res = subprocess.run([sys.executable, "run.py", "-m", "bandit=ucb1,thompson", "head.rank=d/8,d/16",
-                          "smoke=true", "logger=disabled", "experiment.warmup=false",
-                          "experiment.methods=[ar,spec]", "experiment.timing_iters=2",
-                          f"hydra.sweep.dir={tmp_path}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = res.stdout + res.stderr
+def test_design_card_sweep_reuses_only_what_no_swept_setting_touches(design_card_sweep):
+    """`-m bandit=ucb1,thompson head.rank=d/8,d/16` run small (tests/conftest.py's
+    design_card_sweep, which the notebook tests read too): the first job decodes every method;
+    later jobs copy AR and the full-head reference, and decode the policy's method and each arm
+    alone themselves (a policy is compared with arms timed beside it, in its job)."""
+    sweep = design_card_sweep
+    out = (sweep.parent / "run.log").read_text()
     for i in range(1, 5):
         assert f"job {i}/4 (" in out and f"job {i}/4 completed in " in out, out[-3000:]
-    jobs = {int(d.name.split("_", 1)[0]): d for d in tmp_path.iterdir() if (d / ".hydra").is_dir()}
+    jobs = {int(d.name.split("_", 1)[0]): d for d in sweep.iterdir() if (d / ".hydra").is_dir()}
     assert sorted(jobs) == [0, 1, 2, 3]   # ucb1 d/8, ucb1 d/16, thompson d/8, thompson d/16
     recs = {n: [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
             for n, d in jobs.items()}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -144,25 +142,8 @@ def test_a_missing_or_empty_sweep_stops_the_notebook_with_one_line(path: Path, t
 
 
 # ----------------------------------------------------------------------------- a fresh sweep
-# The design card's sweep (`python run.py -m bandit=ucb1,thompson head.rank=d/8,d/16`): four
-# jobs over the default drafter set (five arms, the draft-tree arm among them), later jobs
-# copying the records no swept setting touches. One prompt of 24 new tokens instead of eight of
-# 128: enough verify steps that every policy plays every arm, the tree arm included.
-SWEEP_OVERRIDES = ["bandit=ucb1,thompson", "head.rank=d/8,d/16", "dataset.n_prompts=1",
-                   "dataset.max_new_tokens=24", "experiment.warmup=false", "experiment.timing_iters=2",
-                   "logger=disabled"]
-
-
-@pytest.fixture(scope="module")
-def design_card_sweep(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("design_card") / "sweep"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "0"}
-    res = subprocess.run([sys.executable, "run.py", "-m", *SWEEP_OVERRIDES, f"hydra.sweep.dir={out}"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert len(list(out.glob("*/job_metrics.json"))) == 4
-    assert all('"reused_from"' in f.read_text() for f in out.glob("[123]_*/records.jsonl"))   # copies, as in a real sweep
-    return out
+# design_card_sweep (tests/conftest.py): the design card's sweep run small, once per session
+# (test_decode_reuse.py checks which of its records the later jobs copied).
 
 
 @pytest.mark.slow
