@@ -19,7 +19,8 @@
 #                                                # log says finished); then the stages eagle
 #                                                # (head_decode_qwen_eagle: ν, κ on that drafter)
 #                                                # and eagle_he / eagle_mt / eagle_gsm (decode vs
-#                                                # AR, greedy and T = 1); HW (h100, h200) is read
+#                                                # AR, greedy and T = 1), eagle_fp32 (greedy
+#                                                # equality in fp32); HW (h100, h200) is read
 #                                                # from nvidia-smi unless set.
 #   bash scripts/device/qwen.sh ckpt N           # there, N = 0, 1, 2: the trained drafter back
 #                                                # in 16 MB pieces (cat c* here; ckpt.sha256)
@@ -96,6 +97,10 @@ stage() {
            return $rc;;
     eagle) $BASE experiment=head_decode_qwen_eagle experiment.drafter.checkpoint=$DRAFTER \
              hydra.run.dir=$R/head_decode_qwen_eagle;;
+    eagle_fp32)  # greedy equality of the trained drafter's arms in fp32 (4 prompts x 64)
+           $BASE hardware.dtype=float32 drafters=qwen_eagle drafters.drafters.eagle_qwen.checkpoint=$DRAFTER \
+             dataset=humaneval dataset.n_prompts=4 dataset.max_new_tokens=64 $ARMS \
+             'experiment.methods=[ar,each_arm]' hydra.run.dir=$R/eagle_fp32;;
     eagle_he|eagle_mt|eagle_gsm)
            ds=$(case $1 in eagle_he) echo humaneval;; eagle_mt) echo mtbench;; *) echo gsm8k;; esac)
            for t in 0.0 1.0; do
@@ -106,7 +111,7 @@ stage() {
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen || return 1
            [ -d /dev/shm/qwen_parts/q05 ] || { echo "no 0.5B on the box: head_decode_qwen05 skipped"; return 0; }
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_he eagle_mt eagle_gsm)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
