@@ -32,6 +32,9 @@
 # travel as wheels in .whl/test/ (python 3.12 builds: pip download --python-version 3.12).
 set -o pipefail
 if [ "${1:-}" = part ]; then cp ".device/gguf/part$2" /dev/shm/ && ls -la /dev/shm; exit; fi
+# An $OUT given by the environment (the device tool's) gets the job folders as one runs.tgz at
+# the end: a call returns only a few files, and none under Hydra's folder names with = or %2F.
+PACK=${PACK:-$([ -n "${OUT:-}" ] && echo 1 || echo 0)}
 OUT=${OUT:-outputs/bench_gpu}
 mkdir -p "$OUT"
 source "$(dirname "$0")/env.sh"     # wheels, PYTHONPATH, $GGUF
@@ -79,3 +82,7 @@ for m in names:
           f"  alpha={job.get(m + '/alpha')}  tau={job.get(m + '/tau')}  equal={job.get(m + '/greedy_equal')}")
 PY
 done
+if [ "$PACK" = 1 ]; then
+  dirs=$(cd "$OUT" && ls -d */ 2>/dev/null)
+  [ -n "$dirs" ] && (cd "$OUT" && tar czf runs.tgz $dirs && rm -rf $dirs) && ls -la "$OUT"
+fi

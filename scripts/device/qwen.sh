@@ -24,6 +24,10 @@
 #                                                # from nvidia-smi unless set.
 #   bash scripts/device/qwen.sh ckpt N           # there, N = 0, 1, 2: the trained drafter back
 #                                                # in 16 MB pieces (cat c* here; ckpt.sha256)
+#   bash scripts/device/qwen.sh cksplit F.safetensors  # here: a drafter brought back earlier, in
+#                                                # parts under .device/qwen/ck/dNN (its .json in d00)
+#   bash scripts/device/qwen.sh ckin dNN         # there, once per part (carry .device/qwen/ck/dNN):
+#                                                # the stages join them into $DRAFTER, no training
 # Stages: he/mt/gsm (AR, HF generate eager + compiled on he, the 0.5B draft LM at γ 2-5, prompt
 # lookup, UCB1 over them; 24 prompts), fp32 (greedy equality of every arm in fp32), nf4 (the
 # 1.5B in NF4 beside bf16: bitsandbytes from a carried wheel in .bnb/), heads
@@ -49,6 +53,14 @@ case ${1:-} in
   part)
     mkdir -p "/dev/shm/qwen_parts/$2" && cp "$PARTS/$2/$3"/p* "/dev/shm/qwen_parts/$2/" &&
       echo "$2: $(ls "/dev/shm/qwen_parts/$2" | wc -l) parts on the box"; exit;;
+  cksplit)  # here: a drafter checkpoint (and the .json beside it) into call-sized parts
+    rm -rf "$PARTS/ck" && mkdir -p "$PARTS/ck/tmp" && split -b ${PART_BYTES:-56000000} -d -a 2 "$2" "$PARTS/ck/tmp/p"
+    for f in "$PARTS"/ck/tmp/p*; do d="$PARTS/ck/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done
+    rmdir "$PARTS/ck/tmp"; cp "${2%.safetensors}.json" "$PARTS/ck/d00/eagle_best.json"
+    sha256sum "$2"; ls "$PARTS/ck"; exit;;
+  ckin)   # there: one part of a drafter checkpoint (the stages join the parts into $DRAFTER)
+    mkdir -p /dev/shm/qwen_drafter/in && cp "$PARTS/ck/$2"/* /dev/shm/qwen_drafter/in/ &&
+      ls /dev/shm/qwen_drafter/in; exit;;
   ckpt)   # there: piece N (0, 1, 2) of the trained drafter into $OUT, four 16 MB files a call
     f=${DRAFTER:-/dev/shm/qwen_drafter/train/eagle_best.safetensors}
     mkdir -p /dev/shm/ckpt_parts && [ -f /dev/shm/ckpt_parts/c00 ] || split -b 16000000 -d -a 2 "$f" /dev/shm/ckpt_parts/c
@@ -67,6 +79,10 @@ R=/tmp/qwen_runs; mkdir -p $R
 QD=/dev/shm/qwen_drafter           # the drafter's run dir and data cache (~160 MB checkpoint: it
 DRAFTER=${DRAFTER:-$QD/train/eagle_best.safetensors}  # stays on the box (the stage ckpt brings
                                    # it back in pieces); its records and .json come back)
+if [ ! -f "$DRAFTER" ] && ls $QD/in/p?? >/dev/null 2>&1; then   # parts carried with ckin
+  mkdir -p "$(dirname "$DRAFTER")" && cat $QD/in/p?? > "$DRAFTER" &&
+    cp $QD/in/eagle_best.json "${DRAFTER%.safetensors}.json" && sha256sum "$DRAFTER"
+fi
 BASE="python3 run.py hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24 ${EXTRA:-}"
 ARMS="experiment.references=[each_arm] bandit=ucb1"   # every arm alone beside UCB1 over them
 DEC="$BASE drafters=qwen_coder $ARMS"
