@@ -101,29 +101,53 @@ def test_warm_start_cuts_early_regret_and_still_adapts(name):
 
 @pytest.mark.parametrize("name", ["ucb1", "thompson"])
 def test_a_prior_measured_on_a_faster_box_keeps_its_ranking(name):
-    """Priors in tok/s from a run 3x faster than this one (a CPU box's speed moves that much
-    from day to day): after a few steps of the prior's best arm at this run's speed, the policy
-    stays on it. Read in the prior's own unit, every arm not yet played would look 3x better
-    than the one being played, and the policy would leave the best arm to try them all."""
+    """Priors from a run 3x faster than this one (a CPU box's speed moves that much from day to
+    day): the same tokens a step at a third of the seconds. Each arm is stepped once to time it
+    here, then the policy stays on the prior's best arm. Read in the prior's seconds, every arm
+    not yet played would look 3x better than the one being played, and the policy would leave
+    the best arm to try them all."""
     from flashspec.bandits.rate import RateStats
     policy = (UCB1 if name == "ucb1" else ThompsonSampling)(3, seed=0, reward="tps", min_pulls=2)
     truth = np.array([30.0, 25.0, 20.0])                  # this run's tok/s, the prior's ranking
-    policy.warm_start([200] * 3, 3 * truth, [0.05] * 3, weight=200)
+    policy.warm_start([200] * 3, 3 * truth, [0.05 / 3] * 3, weight=200)
     rng = np.random.default_rng(0)
     picks = []
     for _ in range(60):
         arm = policy.select()
         picks.append(arm)
         policy.update(arm, truth[arm] * rng.uniform(0.8, 1.2), 0.05)
-    assert np.mean(np.array(picks) == 0) > 0.9, picks
+    assert sorted(picks[:3]) == [0, 1, 2], picks          # each timed once
+    assert np.mean(np.array(picks[3:]) == 0) > 0.9, picks
     assert policy.rates.rate()[0] == pytest.approx(truth, rel=0.1)
-    # the scale is the run's own: the same steps with a prior in this run's unit rank alike
+    # an arm not played yet is read at the prior's step time scaled by the played arms' ratio
     stats = RateStats((1, 2))
     stats.seed(np.array([10.0, 10.0]), np.array([90.0, 60.0]), np.array([0.1, 0.1]))
-    assert stats.speed()[0, 0] == 1.0                     # nothing observed: the prior's unit
-    stats.observe(np.array([[45.0, np.nan]]), np.array([[0.1, np.nan]]))
-    assert stats.speed()[0, 0] == pytest.approx(0.5)
-    assert stats.rate()[0].tolist() == pytest.approx([45.0, 30.0])
+    assert stats.rate()[0].tolist() == pytest.approx([90.0, 60.0])   # nothing observed yet
+    stats.observe(np.array([[45.0, np.nan]]), np.array([[0.2, np.nan]]))
+    assert stats.step_cost()[0].tolist() == pytest.approx([0.2, 0.2])
+    assert stats.unmeasured()[0].tolist() == [False, True]
+    assert stats.rate()[0].tolist() == pytest.approx([(9.0 + 90.0) / 2.2, 30.0])
+
+
+@pytest.mark.parametrize("name", ["ucb1", "thompson"])
+def test_a_prior_from_a_machine_whose_costs_rank_the_arms_otherwise_is_corrected(name):
+    """Tokens a step carry over from another machine, step times do not: on the prior's box
+    arm 1 (more tokens a step at about the same cost) was the faster; here its steps cost a
+    third more than arm 0's and arm 0 is. After one timed step of each, the policy ranks them by
+    the prior's tokens over this machine's seconds and settles on arm 0, where a prior read in
+    its own tok/s (or one speed factor for every arm) would hold it on arm 1."""
+    policy = (UCB1 if name == "ucb1" else ThompsonSampling)(2, seed=0, reward="tps", min_pulls=2)
+    tokens = np.array([2.3, 2.7])                         # committed tokens a step (acceptance)
+    policy.warm_start([400, 400], tokens / [0.065, 0.064], [0.065, 0.064], weight=10)
+    cost = np.array([0.060, 0.080])                       # this machine: arm 0 the faster
+    rng = np.random.default_rng(1)
+    picks = []
+    for _ in range(80):
+        arm = policy.select()
+        picks.append(arm)
+        step_tokens = 1 + rng.binomial(3, (tokens[arm] - 1) / 3)
+        policy.update(arm, step_tokens / cost[arm], cost[arm])
+    assert np.mean(np.array(picks[-60:]) == 0) > 0.8, picks
 
 
 def test_warm_start_guards():

@@ -53,7 +53,7 @@ class UCB1(Policy):
     (:class:`~flashspec.bandits.rate.RateStats`): R̂ + c·sqrt(2 ln t)·sd(R̂). The rate's standard
     error σ/(c̄·√n) stands where UCB1 has reward_scale/√n, so the bonus is in the reward's own
     unit and the same config explores alike on a CPU and on a GPU; each arm plays ``min_pulls``
-    times first (a variance needs two steps).
+    times first (a variance needs two steps), once with priors (to time its step here).
     """
 
     name = "ucb1"
@@ -74,7 +74,8 @@ class UCB1(Policy):
         if self.rates is None:
             return _ucb(self._estimates(), self._counts, t, self.c * self.reward_scale)
         index = self.rates.rate() + self.c * np.sqrt(2.0 * np.log(t)) * self.rates.sd()
-        return np.where(self._counts < self.min_pulls, np.inf, index)
+        # an arm a prior backs but this machine has not stepped: its step time here is unknown
+        return np.where((self._counts < self.min_pulls) | self.rates.unmeasured(), np.inf, index)
 
 
 class SlidingWindowUCB(Policy):

@@ -27,14 +27,19 @@ class RateStats:
 
     Priors (:meth:`seed`) add pseudo-steps to the estimate and to n but not to the residuals: a
     stored rate says where the arm stands and how much evidence backs it, the variance is learned
-    from this run's steps. What carries over from another run is how the arms compare, not
-    their absolute speed: a CPU box runs several-fold faster or slower from one day to the next,
-    and a prior in yesterday's tok/s would make every arm this run has not played yet look
-    better (or worse) than the ones it has. So the pseudo-steps are scaled by this run's speed
-    against the prior's, s = Σ_k x_k / Σ_k c_k·R_k over the arms observed so far (x_k, c_k
-    this run's sums; R_k the arm's prior rate; 1 before any step): the prior keeps its ranking
-    and its weight and takes this machine's unit. ``discount`` < 1 fades every sum by that
-    factor per update (a memory of about 1 / (1 − discount) steps)."""
+    from this run's steps. Of a tok/s prior only the tokens carry over, not the seconds: a
+    pseudo-step brings the tokens a step of that arm committed (rate x cost, which acceptance
+    sets and no machine changes) and costs what a step of that arm costs *here*, its mean
+    measured step time in this run (:meth:`step_cost`). Step times do not transfer: a CPU box
+    runs several-fold faster or slower from one day to the next, and from one CPU to another
+    the arms' costs move apart (drafting against verification), so a prior's tok/s ranking
+    can be the wrong one on another machine. An arm not yet played here borrows the prior's
+    step time scaled by this run's against the prior's over the arms played so far (1 before
+    any step); UCB1 and Thompson sampling play it once to time it (:meth:`unmeasured`). The
+    per-context :class:`RateThompson` does not: one timing step per arm and context would cost
+    more than its priors save on a mixed stream.
+    ``discount`` < 1 fades every sum by that factor per update (a memory of about
+    1 / (1 − discount) steps)."""
 
     def __init__(self, shape: tuple[int, int], prior_weight: float = 1.0,
                  discount: float = 1.0) -> None:
@@ -42,6 +47,7 @@ class RateStats:
         self.n, self.x, self.c, self.seen, self.xx, self.xc, self.cc = (
             np.zeros(shape) for _ in range(7))
         self.prior_x, self.prior_c = np.zeros(shape), np.zeros(shape)   # pseudo-steps (seed)
+        self.prior_step = np.ones(shape)         # the prior's seconds per step of each arm
         # never faded: steps observed, and pseudo-steps seeded (what backs an arm at all)
         self.steps, self.seeded = np.zeros(shape), np.zeros(shape)
 
@@ -65,27 +71,40 @@ class RateStats:
         self.cc += cost * cost
 
     def seed(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
-        """``n[k]`` pseudo-steps of rate ``mean[k]`` at cost ``cost[k]`` (scaled by
-        :meth:`speed` when read)."""
+        """``n[k]`` pseudo-steps of rate ``mean[k]`` at cost ``cost[k]`` seconds a step: their
+        tokens count as they are, their seconds at this run's step time (:meth:`step_cost`)."""
+        cost = np.broadcast_to(np.asarray(cost, dtype=float), self.n.shape)
         self.n += n
         self.seeded += n
         self.prior_x += n * mean * cost
         self.prior_c += n * cost
+        self.prior_step = np.where(np.broadcast_to(n, self.n.shape) > 0, cost, self.prior_step)
 
-    def speed(self) -> np.ndarray:
-        """``[envs, 1]``: this run's speed against the priors', over the arms observed that have
-        a prior (1 where none is)."""
+    def unmeasured(self) -> np.ndarray:
+        """Arms seeded from a prior that this run has not stepped yet: their step time here is
+        a guess (the prior's, scaled)."""
+        return (self.seeded > 0) & (self.steps == 0)
+
+    def step_cost(self) -> np.ndarray:
+        """``[envs, arms]`` seconds a step of each arm takes in this run: its mean measured step
+        time; an arm not played yet, the prior's scaled by this run's step times against the
+        prior's over the arms played (the prior's own before any step)."""
+        played = self.seen > 0
+        own = np.divide(self.c, self.seen, out=np.zeros_like(self.c), where=played)
+        both = played & (self.prior_c > 0)
+        here = np.where(both, self.c, 0.0).sum(axis=1, keepdims=True)
+        there = np.where(both, self.seen * self.prior_step, 0.0).sum(axis=1, keepdims=True)
+        scale = np.divide(here, there, out=np.ones_like(here), where=there > 0)
+        return np.where(played, own, self.prior_step * scale)
+
+    def _prior_cost(self) -> np.ndarray | float:
+        """The pseudo-steps' seconds at this run's step times (0 without priors)."""
         if not self.seeded.any():   # no priors (most runs): skip the arithmetic a step pays
-            return np.ones((self.n.shape[0], 1))
-        prior_rate = np.divide(self.prior_x, self.prior_c, out=np.zeros_like(self.prior_x),
-                               where=self.prior_c > 0)
-        both = (self.c > 0) & (self.prior_c > 0)
-        expected = (np.where(both, self.c, 0.0) * prior_rate).sum(axis=1, keepdims=True)
-        got = np.where(both, self.x, 0.0).sum(axis=1, keepdims=True)
-        return np.divide(got, expected, out=np.ones_like(got), where=expected > 0)
+            return 0.0
+        return self.prior_c / self.prior_step * self.step_cost()
 
     def rate(self) -> np.ndarray:
-        x, c = self.x + self.speed() * self.prior_x, self.c + self.prior_c
+        x, c = self.x + self.prior_x, self.c + self._prior_cost()
         return np.divide(x, c, out=np.zeros_like(x), where=c > 0)
 
     def sd(self, rate: np.ndarray | None = None) -> np.ndarray:
@@ -97,7 +116,7 @@ class RateStats:
         dof = np.maximum(self.seen - 1.0, 0.0)
         pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
         sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
-        c = self.c + self.prior_c
+        c = self.c + self._prior_cost()
         var = np.divide(self.n * sigma2, c ** 2, out=np.zeros_like(resid),
                         where=(np.maximum(self.n, self.steps) > 1) & (c > 0))
         return np.sqrt(var)

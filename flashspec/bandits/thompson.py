@@ -20,7 +20,7 @@ from flashspec.errors import FlashSpecError
 class ThompsonSampling(Policy):
     """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw.
     With ``reward: tps``: a draw from each arm's Gaussian rate posterior, every arm played
-    ``min_pulls`` times first."""
+    ``min_pulls`` times first (with priors: once, to time its step on this machine)."""
 
     name = "thompson"
     takes_priors = True
@@ -40,7 +40,8 @@ class ThompsonSampling(Policy):
 
     def _scores(self, context: Context) -> np.ndarray:
         if self.rates is not None:
-            return np.where(self._counts < self.min_pulls, np.inf, self.rates.draw(self.rngs))
+            first = (self._counts < self.min_pulls) | self.rates.unmeasured()
+            return np.where(first, np.inf, self.rates.draw(self.rngs))
         a = self.prior_alpha + self._succ
         b = self.prior_beta + self._fail
         return np.stack([g.beta(a[i], b[i]) for i, g in enumerate(self.rngs)])
