@@ -237,8 +237,8 @@ def test_a_printed_table_and_a_pattern_are_read_as_records(copied_page):
     with pytest.raises(page.SelectorError):
         page.measure(spec)
 
-    mixed = results / "mixed_stream_cpu_v6/s301/summary.txt"
-    pattern = {"run": "mixed_stream_cpu_v6/s301", "file": "summary.txt", "pattern": r"mean of fixed arms: ([\d.]+)"}
+    mixed = results / "mixed_stream_cpu_v10/s701/summary.txt"
+    pattern = {"run": "mixed_stream_cpu_v10/s701", "file": "summary.txt", "pattern": r"mean of fixed arms: ([\d.]+)"}
     assert page.measure(pattern) == [float(re.search(r"mean of fixed arms: ([\d.]+)", mixed.read_text())[1])]
     mixed.write_text(mixed.read_text().replace("mean of fixed arms: ", "mean of fixed arms: 7"))
     assert page.measure(pattern)[0] > 7
