@@ -143,7 +143,7 @@ COMMON: dict[str, Kind] = {
         "gammas": LIST, "gammas.*": POSITIVE, "arms": LIST | NULL,
         "drafters.*.max_ngram": POSITIVE, "drafters.*.min_ngram": POSITIVE,
         "drafters.*.first": POSITIVE, "drafters.*.checkpoint": TEXT | NULL,
-        "drafters.*.head_dtype": TEXT | NULL, "drafters.*.source": TEXT,
+        "drafters.*.twin": TEXT | NULL, "drafters.*.head_dtype": TEXT | NULL, "drafters.*.source": TEXT,
         "drafters.*.quantization": TEXT | NULL, "drafters.*.heads.*": TEXT,
         "drafters.*.draft_temperature": number(0)}.items()},
     **{f"{where}.{k}": v for where in ("bandit", "bandit.inner") for k, v in BANDIT.items()},

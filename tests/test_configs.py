@@ -54,13 +54,17 @@ def test_every_config_option_composes_and_validates(group, option):
             validate(cfg)
         validate(composed("target=hf", "target.source=some/model"))
         return
-    required = {("drafters", "qwen_eagle"): "drafters.drafters.eagle_qwen.checkpoint",
-                ("experiment", "head_decode_qwen_eagle"): "experiment.drafter.checkpoint"}
+    required = {("drafters", "qwen_eagle"): ["drafters.drafters.eagle_qwen.checkpoint"],
+                ("drafters", "twins"): ["drafters.drafters.eagle_twin.checkpoint",
+                                        "drafters.drafters.eagle_twin.twin"],
+                ("experiment", "head_decode_qwen_eagle"): ["experiment.drafter.checkpoint"]}
     if (group, option) in required:   # a drafter no checkpoint is committed for (???)
-        key = required[group, option]
-        with pytest.raises(FlashSpecError, match=f"^{key} is required .*{key}="):
-            validate(cfg)
-        validate(composed(f"{group}={option}", f"{key}=run/eagle_best.safetensors"))
+        given = [f"{group}={option}"]
+        for key in required[group, option]:
+            with pytest.raises(FlashSpecError, match=f"^{key} is required .*{key}="):
+                validate(composed(*given))
+            given.append(f"{key}=run/eagle_best.safetensors")
+        validate(composed(*given))
         return
     if group == "bandit" and option == "oracle":   # simulation only: refused for decoding
         with pytest.raises(FlashSpecError, match="oracle needs the true arm means"):
