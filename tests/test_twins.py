@@ -123,6 +123,15 @@ def test_twins_share_data_and_settings_and_differ_in_head(group):
     assert not list((group["root"] / "cache").glob("*.partial"))   # removed once cached
 
 
+def test_twins_refuse_a_schedule_that_ends_on_wall_time(dummy, tmp_path):
+    """A time budget would give the cheaper low-rank twin more steps than its full-head twin."""
+    target, tok = dummy
+    timed = job(tmp_path)
+    timed = dataclasses.replace(timed, train=dataclasses.replace(timed.train, time_budget_s=60.0))
+    with pytest.raises(FlashSpecError, match="twins train by steps"):
+        run_twins(target, tok, timed, ["full", "d/64"])
+
+
 def test_generation_resumes_after_the_last_stored_group(dummy, tmp_path):
     """A generation killed while writing its second job group continues after the first and
     gives the tokens of an uninterrupted one (T = 1: each group samples from its own seed)."""

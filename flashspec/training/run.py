@@ -134,9 +134,13 @@ def run_twins(target: LlamaLM, tokenizer, opts: JobOptions, heads: list[Any], lo
     if opts.export and "{head}" not in opts.export:
         raise FlashSpecError(f"experiment.export={opts.export!r} with several heads needs a "
                              "'{head}' placeholder (e.g. checkpoints/smollm2_twin_{head}.safetensors)")
-    if opts.deadline is not None:
-        raise FlashSpecError("a deadline ties the schedule to wall time; twins train by steps "
-                             "(use call_budget_s to split the run into calls)")
+    if opts.deadline is not None or opts.train.time_budget_s is not None:
+        # a time budget ends each twin's schedule after as many steps as its head allows: a
+        # low-rank twin, cheaper a step, would train longer than its full-head reference
+        raise FlashSpecError("a deadline or experiment.train.time_budget_s ties the schedule to "
+                             "wall time; twins train by steps: set experiment.train.steps and "
+                             "leave train.time_budget_s null (call_budget_s splits the run into "
+                             "calls)")
     stop_at = call_stop(opts)
     data = load_data(target, tokenizer, opts)
     out = Path(opts.out_dir)
