@@ -73,7 +73,8 @@ class UCB1(Policy):
         t = max(self.t + self._prior_pulls, 1)
         if self.rates is None:
             return _ucb(self._estimates(), self._counts, t, self.c * self.reward_scale)
-        index = self.rates.rate() + self.c * np.sqrt(2.0 * np.log(t)) * self.rates.sd()
+        rate, sd = self.rates.estimate()
+        index = rate + self.c * np.sqrt(2.0 * np.log(t)) * sd
         # an arm a prior backs but this machine has not stepped: its step time here is unknown
         return np.where((self._counts < self.min_pulls) | self.rates.unmeasured(), np.inf, index)
 

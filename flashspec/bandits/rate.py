@@ -103,29 +103,41 @@ class RateStats:
             return 0.0
         return self.prior_c / self.prior_step * self.step_cost()
 
-    def rate(self) -> np.ndarray:
-        x, c = self.x + self.prior_x, self.c + self._prior_cost()
+    def _seconds(self) -> np.ndarray:
+        """Seconds behind each arm's rate: this run's steps and the pseudo-steps at its times."""
+        return self.c + self._prior_cost()
+
+    def rate(self, seconds: np.ndarray | None = None) -> np.ndarray:
+        """Tokens over seconds per arm (``seconds``: :meth:`_seconds`, when the caller has it)."""
+        c = self._seconds() if seconds is None else seconds
+        x = self.x + self.prior_x
         return np.divide(x, c, out=np.zeros_like(x), where=c > 0)
 
-    def sd(self, rate: np.ndarray | None = None) -> np.ndarray:
+    def estimate(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`rate` and :meth:`sd` from one reading of the arms' step times."""
+        seconds = self._seconds()
+        rate = self.rate(seconds)
+        return rate, self.sd(rate, seconds)
+
+    def sd(self, rate: np.ndarray | None = None, seconds: np.ndarray | None = None) -> np.ndarray:
         """Standard error of the rate (0 where fewer than two steps back it). Faded evidence
         (``discount``) widens it without bound: an arm two real steps backed stays open to a
-        draw however long ago they were. ``rate``: :meth:`rate`, when the caller has it."""
-        rate = self.rate() if rate is None else rate
+        draw however long ago they were. ``rate``, ``seconds``: when the caller has them."""
+        seconds = self._seconds() if seconds is None else seconds
+        rate = self.rate(seconds) if rate is None else rate
         resid = np.maximum(self.xx - 2.0 * rate * self.xc + rate * rate * self.cc, 0.0)
         dof = np.maximum(self.seen - 1.0, 0.0)
         pooled = resid.sum(axis=1, keepdims=True) / np.maximum(dof.sum(axis=1, keepdims=True), 1.0)
         sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
-        c = self.c + self._prior_cost()
-        var = np.divide(self.n * sigma2, c ** 2, out=np.zeros_like(resid),
-                        where=(np.maximum(self.n, self.steps) > 1) & (c > 0))
+        var = np.divide(self.n * sigma2, seconds ** 2, out=np.zeros_like(resid),
+                        where=(np.maximum(self.n, self.steps) > 1) & (seconds > 0))
         return np.sqrt(var)
 
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
         """One Thompson draw per replicate and arm: R̂ + explore · sd · N(0, 1)."""
         z = np.stack([g.standard_normal(self.n.shape[1]) for g in rngs])
-        rate = self.rate()
-        return rate + explore * self.sd(rate) * z
+        rate, sd = self.estimate()
+        return rate + explore * sd * z
 
 
 class RateThompson(Policy):
