@@ -38,6 +38,11 @@ OUT=${OUT:-outputs/qwen_gpu}
 PARTS=${PARTS:-.device/qwen}
 mkdir -p "$OUT"
 MODELS="qwen2.5-coder-1.5b:q15 qwen2.5-coder-0.5b:q05"
+to_parts() {   # FILE DIR: FILE in call-sized parts, one per folder DIR/dNN/pNN (one carry each)
+  rm -rf "$2" && mkdir -p "$2/tmp" && split -b ${PART_BYTES:-56000000} -d -a 2 "$1" "$2/tmp/p" &&
+    for f in "$2"/tmp/p*; do d="$2/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done &&
+    rmdir "$2/tmp"
+}
 case ${1:-} in
   split)
     [ -n "${2:-}" ] && MODELS=$(echo $MODELS | tr ' ' '\n' | grep ":$2$")
@@ -45,18 +50,14 @@ case ${1:-} in
     for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
       src=$(PYTHONPATH=$PWD $PY scripts/prepare_model.py "$name" --where) || exit 1
       [ -f "$src" ] || { echo "$name not prepared: python scripts/prepare_model.py $name" >&2; exit 1; }
-      rm -rf "$PARTS/$tag" && mkdir -p "$PARTS/$tag/tmp"
-      split -b ${PART_BYTES:-56000000} -d -a 2 "$src" "$PARTS/$tag/tmp/p"
-      for f in "$PARTS/$tag"/tmp/p*; do d="$PARTS/$tag/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done
-      rmdir "$PARTS/$tag/tmp"; echo "$name: $(ls "$PARTS/$tag" | wc -l) parts in $PARTS/$tag"
+      to_parts "$src" "$PARTS/$tag" || exit 1
+      echo "$name: $(ls "$PARTS/$tag" | wc -l) parts in $PARTS/$tag"
     done; exit 0;;
   part)
     mkdir -p "/dev/shm/qwen_parts/$2" && cp "$PARTS/$2/$3"/p* "/dev/shm/qwen_parts/$2/" &&
       echo "$2: $(ls "/dev/shm/qwen_parts/$2" | wc -l) parts on the box"; exit;;
   cksplit)  # here: a drafter checkpoint (and the .json beside it) into call-sized parts
-    rm -rf "$PARTS/ck" && mkdir -p "$PARTS/ck/tmp" && split -b ${PART_BYTES:-56000000} -d -a 2 "$2" "$PARTS/ck/tmp/p"
-    for f in "$PARTS"/ck/tmp/p*; do d="$PARTS/ck/d${f##*/p}"; mkdir -p "$d" && mv "$f" "$d/"; done
-    rmdir "$PARTS/ck/tmp"; cp "${2%.safetensors}.json" "$PARTS/ck/d00/eagle_best.json"
+    to_parts "$2" "$PARTS/ck" && cp "${2%.safetensors}.json" "$PARTS/ck/d00/eagle_best.json" || exit 1
     sha256sum "$2"; ls "$PARTS/ck"; exit;;
   ckin)   # there: one part of a drafter checkpoint (the stages join the parts into $DRAFTER)
     mkdir -p /dev/shm/qwen_drafter/in && cp "$PARTS/ck/$2"/* /dev/shm/qwen_drafter/in/ &&
