@@ -37,7 +37,7 @@ from flashspec.paths import file_sha256, repo_path
 from flashspec.records import DecodeRecord, config_hash
 from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, decode_stats,
                                format_bandit_vs_fixed, format_table, method_records, percentile,
-                               pick_counts, policy_regret, rates, summarize)
+                               pick_counts, policy_regret, rates, summarize, vs_best_interval)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
 
@@ -613,10 +613,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return {"summary": rows, "job": job, "records": str(run.writer.path)}
 
 
-def bench_vs_best_fixed(job: dict[str, Any], plan: Plan) -> dict[str, Any]:
+def bench_vs_best_fixed(job: dict[str, Any], plan: Plan, records: list[dict]) -> dict[str, Any]:
     """experiment=bench: a method over several arms against the best of the one-arm methods
     that play those arms alone in the same job (``Plan.named_alone``: same runtime and planner),
-    as ``<method>/vs_best_fixed`` and ``/best_fixed``, where every one of its arms has one."""
+    as ``<method>/vs_best_fixed`` and ``/best_fixed``, where every one of its arms has one, with
+    ``/vs_best_fixed_p05`` and ``_p95``: its 90 % bootstrap interval over the job's batches of
+    prompts (``vs_best_interval``; None with a single batch)."""
     out: dict[str, Any] = {}
     for name, alone in plan.named_alone.items():
         fixed = [alone.get(i) for i in range(len(plan.named_arms[name]))]
@@ -626,6 +628,8 @@ def bench_vs_best_fixed(job: dict[str, Any], plan: Plan) -> dict[str, Any]:
         best = max(fixed, key=lambda f: job[f"{f}/tps"])
         out[f"{name}/vs_best_fixed"] = job[f"{name}/tps"] / job[f"{best}/tps"]
         out[f"{name}/best_fixed"] = best
+        interval = vs_best_interval(records, name, fixed)
+        out[f"{name}/vs_best_fixed_p05"], out[f"{name}/vs_best_fixed_p95"] = interval or (None, None)
     return out
 
 
@@ -646,7 +650,7 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
     for name in plan.named:   # the bench's ratio: pooled tokens per second over AR's
         if ar_tps and job.get(f"{name}/tps") is not None:
             job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
-    job.update(bench_vs_best_fixed(job, plan))
+    job.update(bench_vs_best_fixed(job, plan, records))
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)

@@ -5,6 +5,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 
 def alpha(n_accepted: int, n_proposed: int) -> float | None:
     """Accepted draft tokens / proposed draft tokens (ratio of sums)."""
@@ -81,6 +83,39 @@ def pooled_rate(records: list[dict[str, Any]]) -> float:
     its wall time; a record without ``batch_id`` is its own batch)."""
     walls = {r.get("batch_id", i): r["wall_s"] for i, r in enumerate(records)}
     return sum(r["n_new_tokens"] for r in records) / max(sum(walls.values()), 1e-9)
+
+
+def vs_best_interval(records: Iterable[dict[str, Any]], method: str, rivals: Sequence[str],
+                     n_boot: int = 2000, seed: int = 0,
+                     q: tuple[float, float] = (5.0, 95.0)) -> tuple[float, float] | None:
+    """Bootstrap interval of ``pooled_rate(method) / max(pooled_rate(rival))`` over the batches
+    of prompts that every one of them decoded: batches resampled with replacement, the best
+    rival chosen again in each resample. The best fixed arm in hindsight is a noisy pick too:
+    among near-equal arms its rate sits above their common rate by chance (more so at T = 1,
+    where each method samples its own continuations), so a point ratio a few per cent under 1
+    can be noise. Returns the ``q`` percentiles, or None with fewer than two shared batches."""
+    def batches(m: str) -> dict[tuple, tuple[int, float]]:
+        groups: dict[Any, list[dict]] = defaultdict(list)
+        for i, r in enumerate(method_records(records, m)):
+            groups[r.get("batch_id", i)].append(r)
+        return {tuple(sorted((r["prompt_id"], r["turn"]) for r in g)):
+                (sum(r["n_new_tokens"] for r in g), g[0]["wall_s"]) for g in groups.values()}
+
+    records = list(records)
+    per = [batches(m) for m in (method, *rivals)]
+    shared = sorted(set.intersection(*(set(b) for b in per)))
+    if len(shared) < 2 or not rivals:
+        return None
+    tokens = np.array([[b[k][0] for k in shared] for b in per], dtype=float)   # [methods, batches]
+    walls = np.array([[b[k][1] for k in shared] for b in per], dtype=float)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(shared), size=(n_boot, len(shared)))
+    weight = np.zeros((n_boot, len(shared)))
+    np.add.at(weight, (np.arange(n_boot)[:, None], picks), 1.0)    # times each batch is drawn
+    rate = (weight @ tokens.T) / np.maximum(weight @ walls.T, 1e-12)   # [n_boot, methods]
+    ratio = rate[:, 0] / rate[:, 1:].max(axis=1)
+    lo, hi = np.percentile(ratio, q)
+    return float(lo), float(hi)
 
 
 def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:

@@ -5,7 +5,9 @@
 Writes, into the destination:
   records.jsonl.gz   the records without ``text`` and ``rewards`` (size), their ``tokens`` as
                      ``tokens_sha256`` (sha256 of the canonical JSON of the token list: outputs
-                     stay comparable across methods and runs), ``provenance`` moved out;
+                     stay comparable across methods and runs), ``provenance`` moved out; with
+                     ``--no-steps`` also each step's arm (``arms``) as ``arm_counts``, steps per
+                     arm index (a bench job's records shrink about tenfold);
   provenance.json    the first record's provenance (the job's, once);
   job_metrics.json   as the runner wrote it;
   summary.txt        the tables the runner printed (run.log from its first table on, without
@@ -31,7 +33,7 @@ DROP = ("text", "rewards", "provenance")
 PREFIX = re.compile(r"^\[[^\]]*\]\[[^\]]*\]\[[A-Z]+\] - ")
 
 
-def pack(job: Path, dest: Path) -> Path:
+def pack(job: Path, dest: Path, steps: bool = True) -> Path:
     records = list(read_records(job / "records.jsonl"))
     if not records:
         raise SystemExit(f"pack_run: no records in {job / 'records.jsonl'}")
@@ -40,6 +42,9 @@ def pack(job: Path, dest: Path) -> Path:
     with gzip.open(dest / "records.jsonl.gz", "wt") as out:
         for rec in records:
             slim = {k: v for k, v in rec.items() if k not in DROP and k != "tokens"}
+            if not steps and "arms" in slim:
+                arms = slim.pop("arms")
+                slim["arm_counts"] = {str(a): arms.count(a) for a in sorted(set(arms))}
             if "tokens" in rec:
                 slim["tokens_sha256"] = hashlib.sha256(
                     canonical_json(rec["tokens"]).encode()).hexdigest()
@@ -61,8 +66,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("job", type=Path, help="a decode job folder (records.jsonl, run.log, ...)")
     ap.add_argument("dest", type=Path, help="experiments/results/<run>[/<sub>]")
+    ap.add_argument("--no-steps", action="store_true",
+                    help="store steps per arm instead of each step's arm")
     args = ap.parse_args()
-    print(pack(args.job, args.dest))
+    print(pack(args.job, args.dest, steps=not args.no_steps))
 
 
 if __name__ == "__main__":

@@ -300,6 +300,33 @@ def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
     assert bandit_vs_fixed(recs[:4]) is None
 
 
+def test_vs_best_interval_resamples_batches_and_repicks_the_best_arm():
+    """Three arms of one true rate, each batch's wall drawn with noise: the hindsight best of two
+    sits above the third by chance, so the interval of "c over the best of a, b" lies mostly
+    under 1 although no arm is slower; a method that is 0.9x an arm on every batch gets 0.9
+    exactly; a batch of two records counts its wall once; one shared batch gives None."""
+    import numpy as np
+    from flashspec.metrics import vs_best_interval
+
+    rng = np.random.default_rng(1)
+
+    def rec(method, pid, tokens, wall, batch=None):
+        return {"method": method, "prompt_id": pid, "turn": 0, "n_new_tokens": tokens,
+                "wall_s": wall, "batch_id": batch or f"{method}:{pid}"}
+    recs = [rec(m, f"p{i}", 100, float(rng.lognormal(0.0, 0.1)))
+            for m in ("a", "b", "c") for i in range(40)]
+    lo, hi = vs_best_interval(recs, "c", ["a", "b"])
+    assert lo < 0.98 < hi and 0.9 < lo and hi < 1.1
+    assert lo < vs_best_interval(recs, "c", ["a"])[0]     # one rival: no pick to flatter it
+    slow = [rec("s", r["prompt_id"], 90, r["wall_s"]) for r in recs if r["method"] == "a"]
+    assert vs_best_interval(recs + slow, "s", ["a"]) == pytest.approx((0.9, 0.9))
+    pair = [rec("x", "p0", 50, 1.0, "x0"), rec("x", "p1", 50, 1.0, "x0"),   # one batch: wall once
+            rec("x", "p2", 100, 1.0, "x1"), rec("y", "p0", 50, 2.0, "y0"),
+            rec("y", "p1", 50, 2.0, "y0"), rec("y", "p2", 100, 2.0, "y1")]
+    assert vs_best_interval(pair, "x", ["y"]) == pytest.approx((2.0, 2.0))
+    assert vs_best_interval(pair[:2] + pair[3:5], "x", ["y"]) is None
+
+
 def test_the_per_domain_oracle_plays_each_domains_fastest_fixed_arm():
     """x wins code (100 tokens in 2 s against 4 s), y wins chat (100 in 1 s against 5 s): the
     oracle decodes 200 tokens in 3 s, against x's 7 s over the run (the best fixed arm)."""

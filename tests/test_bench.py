@@ -115,5 +115,6 @@ def test_an_arm_alone_is_played_as_the_method_plays_it():
                 named_alone=alone)
     job = {"g3/tps": 10.0, "tree/tps": 12.0, "tree_planner/tps": 20.0, "tree_b/tps": 30.0,
            "bandit/tps": 11.0, "bandit_graphed/tps": 9.0}
-    out = bench_vs_best_fixed(job, plan)
-    assert out == {"bandit/best_fixed": "tree", "bandit/vs_best_fixed": pytest.approx(11 / 12)}
+    out = bench_vs_best_fixed(job, plan, records=[])   # no batches: no interval
+    assert out == {"bandit/best_fixed": "tree", "bandit/vs_best_fixed": pytest.approx(11 / 12),
+                   "bandit/vs_best_fixed_p05": None, "bandit/vs_best_fixed_p95": None}

@@ -341,3 +341,9 @@ def test_pack_run_keeps_what_claims_read_and_drops_the_rest(tmp_path):
     assert json.loads((tmp_path / "out" / "provenance.json").read_text()) == prov
     assert (tmp_path / "out" / "summary.txt").read_text() == (
         "dataset  method  tps\n-------  ------  ---\npooled tok/s over the run\n")
+    rows[1]["arms"] = [2, 0, 2, 2]
+    (job / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "pack_run.py"), "--no-steps", str(job),
+                    str(tmp_path / "slim")], check=True, capture_output=True)
+    slim = list(read_records(tmp_path / "slim" / "records.jsonl.gz"))
+    assert slim[1]["arm_counts"] == {"0": 1, "2": 3} and "arms" not in slim[1]
