@@ -55,6 +55,7 @@ def test_every_config_option_composes_and_validates(group, option):
         validate(composed("target=hf", "target.source=some/model"))
         return
     required = {("drafters", "qwen_eagle"): ["drafters.drafters.eagle_qwen.checkpoint"],
+                ("drafters", "qwen_mixed"): ["drafters.drafters.eagle_qwen.checkpoint"],
                 ("drafters", "twins"): ["drafters.drafters.eagle_twin.checkpoint",
                                         "drafters.drafters.eagle_twin.twin"],
                 ("experiment", "head_decode_qwen_eagle"): ["experiment.drafter.checkpoint"]}

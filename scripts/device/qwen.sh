@@ -22,6 +22,9 @@
 #                                                # AR, greedy and T = 1), eagle_fp32 (greedy
 #                                                # equality in fp32); HW (h100, h200) is read
 #                                                # from nvidia-smi unless set.
+#   MIX="<draws>" S=<draw> bash scripts/device/qwen.sh mixed   # experiment=mixed_stream with the
+#                                                # drafter, prompt lookup and (its parts carried)
+#                                                # the 0.5B, one job per draw in MIX
 #   bash scripts/device/qwen.sh ckpt N           # there, N = 0, 1, 2: the trained drafter back
 #                                                # in 16 MB pieces (cat c* here; ckpt.sha256)
 #   bash scripts/device/qwen.sh cksplit F.safetensors  # here: a drafter brought back earlier, in
@@ -107,6 +110,13 @@ stage() {
              'drafters.arms=[[coder05b,3],[ngram,3]]' bandit=fixed \
              $([ $q = nf4 ] && echo hardware.quantization=nf4) hydra.run.dir=$R/$q || return 1
          done;;
+    mixed) # the mixed stream with one arm of each kind (conf/drafters/qwen_mixed.yaml), one job
+           # per draw in MIX (default S); without the 0.5B's parts on the box, its two arms only
+           for d in ${MIX:-$S}; do
+             $BASE experiment=mixed_stream drafters=qwen_mixed drafters.drafters.eagle_qwen.checkpoint=$DRAFTER \
+               $([ -d /dev/shm/qwen_parts/q05 ] || echo "~drafters.drafters.coder05b drafters.arms=[[ngram,3],[eagle_qwen,3]]") \
+               dataset.seed=$d hydra.run.dir=$R/mixed_s$d || return 1
+           done;;
     train) python3 run.py experiment=train_drafter_qwen hardware=$HW runtime=resident logger=disabled \
              seed=${TS:-$S} experiment.resume=true experiment.call_budget_s=${BUDGET:-540} \
              output_dir=$QD/train experiment.cache_dir=$QD/data; rc=$?
@@ -128,7 +138,7 @@ stage() {
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen || return 1
            [ -d /dev/shm/qwen_parts/q05 ] || { echo "no 0.5B on the box: head_decode_qwen05 skipped"; return 0; }
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm mixed)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
