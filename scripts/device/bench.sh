@@ -14,7 +14,7 @@
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
 #                                                  # carry .whl and .cache/data; on a lent H100
 #                                                  # add HW=h100 (the profile cell then checks a100);
-#                                                  # EXTRA="k=v ..." adds overrides to every model
+#                                                  # EXTRA="k=v 'k2={a: 1}' ..." adds overrides to every model
 #                                                  # cell (priors.save=DIR, priors.path=DIR)
 # Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
@@ -44,13 +44,15 @@ if [ -n "$(echo " $* " | grep -E ' (greedy|t1|b32|profile|trees|hf) ')" ] || [ $
 fi
 HW=${HW:-h200}                      # the card lent: h200 | h100 (the resident loop on either)
 ALT=$([ "$HW" = h100 ] && echo a100 || echo h100)   # another CUDA profile for the profile cell
-ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED ${EXTRA:-}"
+ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED"
+eval "XA=(${EXTRA:-})"   # EXTRA split as the shell splits a command line: a quoted override
+runpy() { python3 run.py "$@" "${XA[@]}"; }   # keeps its spaces (a method given inline)
 one() {
   case $1 in
-    greedy) python3 run.py -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
-    t1)     python3 run.py -m $ARGS dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
-    b32)    python3 run.py $ARGS dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
-    profile) python3 run.py $ARGS hardware=$ALT runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_$ALT &&
+    greedy) runpy -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;
+    t1)     runpy -m $ARGS dataset=humaneval,mtbench experiment.temperature=1.0 hydra.sweep.dir=$OUT/t1 ;;
+    b32)    runpy $ARGS dataset=humaneval dataset.n_prompts=64 experiment.batch_size=32 hydra.run.dir=$OUT/b32 ;;
+    profile) runpy $ARGS hardware=$ALT runtime=resident dataset=humaneval hydra.run.dir=$OUT/profile_$ALT &&
              python3 scripts/greedy_check.py $OUT/profile_$ALT/records.jsonl \
                --against "$(ls -d $OUT/greedy/0_*)/records.jsonl" ;;   # job 0: humaneval
     kernels) python3 run.py experiment=kernel_bench hardware=$HW logger=disabled hydra.run.dir=$OUT/kernel_bench ;;
