@@ -602,6 +602,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             log.info("%s", format_bandit_vs_fixed(cmp))
             run.logger.summary({f"pooled/{k}": cmp[k] for k in
                                 ("vs_best_fixed", "vs_mean_fixed", "oracle_vs_best_fixed")})
+            if cmp["vs_best_fixed_interval"]:
+                keys = ("pooled/vs_best_fixed_p05", "pooled/vs_best_fixed_p95")
+                run.logger.summary(dict(zip(keys, cmp["vs_best_fixed_interval"])))
         _stream_figure(records, cfg, run.path)
         job, regret = job_metrics(records, plan, target, 5 if cfg.smoke else int(exp.timing_iters))
         log.info("job metrics:\n%s", "\n".join(f"  {k} = {_fmt(v)}" for k, v in job.items()))
@@ -628,8 +631,8 @@ def bench_vs_best_fixed(job: dict[str, Any], plan: Plan, records: list[dict]) ->
         best = max(fixed, key=lambda f: job[f"{f}/tps"])
         out[f"{name}/vs_best_fixed"] = job[f"{name}/tps"] / job[f"{best}/tps"]
         out[f"{name}/best_fixed"] = best
-        interval = vs_best_interval(records, name, fixed)
-        out[f"{name}/vs_best_fixed_p05"], out[f"{name}/vs_best_fixed_p95"] = interval or (None, None)
+        lo, hi = vs_best_interval(records, name, fixed) or (None, None)
+        out[f"{name}/vs_best_fixed_p05"], out[f"{name}/vs_best_fixed_p95"] = lo, hi
     return out
 
 

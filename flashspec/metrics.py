@@ -98,7 +98,7 @@ def vs_best_interval(records: Iterable[dict[str, Any]], method: str, rivals: Seq
         groups: dict[Any, list[dict]] = defaultdict(list)
         for i, r in enumerate(method_records(records, m)):
             groups[r.get("batch_id", i)].append(r)
-        return {tuple(sorted((r["prompt_id"], r["turn"]) for r in g)):
+        return {tuple(sorted((str(r.get("prompt_id")), r.get("turn") or 0) for r in g)):
                 (sum(r["n_new_tokens"] for r in g), g[0]["wall_s"]) for g in groups.values()}
 
     records = list(records)
@@ -128,10 +128,11 @@ def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 
 def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The bandit bars on one run's pooled TPS: best bandit / best fixed arm and / mean of the
-    fixed arms (fixed = every ``spec:`` method that is not a bandit), and the headroom any
-    switching policy has on this stream, ``oracle_vs_best_fixed``: the fixed arm best on each
-    domain played there (pooled over the run) / the best fixed arm. None without both kinds."""
+    """The bandit bars on one run's pooled TPS: best bandit / best fixed arm (with its bootstrap
+    interval, :func:`vs_best_interval`) and / mean of the fixed arms (fixed = every ``spec:``
+    method that is not a bandit), and the headroom any switching policy has on this stream,
+    ``oracle_vs_best_fixed``: the fixed arm best on each domain played there (pooled over the
+    run) / the best fixed arm. None without both kinds."""
     records = list(records)
     tps = pooled_tps(records)
     bandits = {m: v for m, v in tps.items() if m.startswith("spec:bandit")}
@@ -143,6 +144,7 @@ def bandit_vs_fixed(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     oracle, per_domain = domain_oracle(records, list(fixed))
     return {"tps": dict(sorted(tps.items(), key=lambda kv: -kv[1])), "best_bandit": best_b,
             "best_fixed": best_f, "vs_best_fixed": bandits[best_b] / fixed[best_f],
+            "vs_best_fixed_interval": vs_best_interval(records, best_b, list(fixed)),
             "vs_mean_fixed": bandits[best_b] / mean_f,
             "oracle_vs_best_fixed": oracle / fixed[best_f], "best_per_domain": per_domain}
 
@@ -171,6 +173,10 @@ def format_bandit_vs_fixed(cmp: dict[str, Any]) -> str:
     lines = [f"{m.ljust(width)}  {v:8.2f}" for m, v in cmp["tps"].items()]
     lines.append(f"best bandit ({cmp['best_bandit']}) / best fixed ({cmp['best_fixed']}): "
                  f"{cmp['vs_best_fixed']:.3f}; / mean of fixed arms: {cmp['vs_mean_fixed']:.3f}")
+    if cmp.get("vs_best_fixed_interval"):
+        lo, hi = cmp["vs_best_fixed_interval"]
+        lines.append(f"  90 % interval over the prompts (the best fixed arm picked again in each "
+                     f"resample): [{lo:.3f}, {hi:.3f}]")
     if len(set(cmp["best_per_domain"].values())) > 1:
         picks = ", ".join(f"{d}: {m}" for d, m in cmp["best_per_domain"].items())
         lines.append(f"per-domain oracle ({picks}) / best fixed: {cmp['oracle_vs_best_fixed']:.3f}")

@@ -286,7 +286,7 @@ def test_run_py_bandit_sim_smoke(tmp_path):
 
 
 def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
-    from flashspec.metrics import bandit_vs_fixed
+    from flashspec.metrics import bandit_vs_fixed, format_bandit_vs_fixed
 
     def rec(method, tokens, wall, batch):
         return {"method": method, "n_new_tokens": tokens, "wall_s": wall, "batch_id": batch}
@@ -297,7 +297,15 @@ def test_bandit_vs_fixed_pools_tokens_over_batch_walls():
     assert cmp["tps"] == {"spec:bandit:t": 120.0, "spec:x@3": 50.0, "ar": 25.0, "spec:y@3": 25.0}
     assert cmp["best_fixed"] == "spec:x@3" and cmp["vs_best_fixed"] == pytest.approx(2.4)
     assert cmp["vs_mean_fixed"] == pytest.approx(120.0 / 37.5)
+    assert cmp["vs_best_fixed_interval"] is None   # one batch of prompts: nothing to resample
     assert bandit_vs_fixed(recs[:4]) is None
+    per_prompt = [{**r, "prompt_id": f"p{i}", "turn": 0, "batch_id": f"{m}:{i}"}
+                  for m, wall in (("spec:x@3", 2.0), ("spec:bandit:t", 1.0))
+                  for i, r in enumerate([{"method": m, "n_new_tokens": 100, "wall_s": wall}] * 3)]
+    cmp = bandit_vs_fixed(per_prompt)
+    assert cmp["vs_best_fixed_interval"] == pytest.approx((2.0, 2.0))
+    assert "90 % interval over the prompts (the best fixed arm picked again in each resample): " \
+        "[2.000, 2.000]" in format_bandit_vs_fixed(cmp)
 
 
 def test_vs_best_interval_resamples_batches_and_repicks_the_best_arm():
