@@ -150,6 +150,28 @@ def test_a_prior_from_a_machine_whose_costs_rank_the_arms_otherwise_is_corrected
     assert np.mean(np.array(picks[-60:]) == 0) > 0.8, picks
 
 
+@pytest.mark.parametrize("name,seed", [("ucb1", 0), ("ucb1", 3), ("thompson", 0)])
+def test_an_arm_whose_timing_step_read_slow_is_not_held_out_by_its_prior(name, seed):
+    """Each prior-backed arm is stepped once to time it, and that step's seconds price all of its
+    pseudo-steps (200 here). Arm 1 is the fastest here, but its timing step took 1.4x its usual
+    time: read as certain, its rate stays under arm 0's and it is never stepped again (UCB1 did
+    this on a CPU box; these seeds did it before). The spread also carries the error of the
+    arm's mean step time here, from its own steps only, so the arm is stepped again and the
+    policy settles on it."""
+    policy = (UCB1 if name == "ucb1" else ThompsonSampling)(3, seed=0, reward="tps", min_pulls=2)
+    tokens = np.array([2.5, 2.2, 2.6])                    # committed tokens a step (the prior's)
+    cost = np.array([0.080, 0.055, 0.090])                # this machine: arm 1 the fastest
+    policy.warm_start([200] * 3, tokens / 0.065, [0.065] * 3, weight=200)
+    rng = np.random.default_rng(seed)
+    picks = []
+    for step in range(300):
+        arm = policy.select()
+        picks.append(arm)
+        seconds = cost[arm] * rng.normal(1.0, 0.1) * (1.4 if arm == 1 and step < 3 else 1.0)
+        policy.update(arm, (1 + rng.binomial(3, (tokens[arm] - 1) / 3)) / seconds, seconds)
+    assert np.mean(np.array(picks[-100:]) == 1) > 0.8, np.bincount(picks)
+
+
 def test_warm_start_guards():
     policy = UCB1(3, seed=[0, 1])
     policy.warm_start([5, 50, 0], [0.5, 0.6, 0.7], weight=20)

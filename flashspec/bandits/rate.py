@@ -35,9 +35,10 @@ class RateStats:
     the arms' costs move apart (drafting against verification), so a prior's tok/s ranking
     can be the wrong one on another machine. An arm not yet played here borrows the prior's
     step time scaled by this run's against the prior's over the arms played so far (1 before
-    any step); UCB1 and Thompson sampling play it once to time it (:meth:`unmeasured`). The
-    per-context :class:`RateThompson` does not: one timing step per arm and context would cost
-    more than its priors save on a mixed stream.
+    any step); UCB1 and Thompson sampling play it once to time it (:meth:`unmeasured`), and the
+    rate's spread carries the error of that pricing while few own steps back it (:meth:`sd`). The
+    per-context :class:`RateThompson` does not time an arm first: one timing step per arm and
+    context would cost more than its priors save on a mixed stream.
     ``discount`` < 1 fades every sum by that factor per update (a memory of about
     1 / (1 − discount) steps)."""
 
@@ -122,7 +123,9 @@ class RateStats:
     def sd(self, rate: np.ndarray | None = None, seconds: np.ndarray | None = None) -> np.ndarray:
         """Standard error of the rate (0 where fewer than two steps back it). Faded evidence
         (``discount``) widens it without bound: an arm two real steps backed stays open to a
-        draw however long ago they were. ``rate``, ``seconds``: when the caller has them."""
+        draw however long ago they were. With priors it also carries the error of pricing the
+        pseudo-steps at the arm's mean step time here (:meth:`_pricing_var`). ``rate``,
+        ``seconds``: when the caller has them."""
         seconds = self._seconds() if seconds is None else seconds
         rate = self.rate(seconds) if rate is None else rate
         resid = np.maximum(self.xx - 2.0 * rate * self.xc + rate * rate * self.cc, 0.0)
@@ -131,7 +134,25 @@ class RateStats:
         sigma2 = (resid + self.prior_weight * pooled) / np.maximum(dof + self.prior_weight, 1e-12)
         var = np.divide(self.n * sigma2, seconds ** 2, out=np.zeros_like(resid),
                         where=(np.maximum(self.n, self.steps) > 1) & (seconds > 0))
-        return np.sqrt(var)
+        return np.sqrt(var + self._pricing_var(rate, seconds))
+
+    def _pricing_var(self, rate: np.ndarray, seconds: np.ndarray) -> np.ndarray | float:
+        """Variance of the rate from pricing the pseudo-steps at the arm's mean step time here,
+        which only its own m steps measure: (R · s)² · cv² / m, s the pseudo-steps' share of the
+        arm's seconds, cv² one step time's relative variance pooled over the arms' own steps. With
+        hundreds of pseudo-steps and one timing step, the residual term alone would read an arm
+        whose one step ran slow as certain and never step it again."""
+        if not self.seeded.any():   # no priors (most runs): nothing is priced
+            return 0.0
+        played = self.seen > 0
+        mean = np.divide(self.c, self.seen, out=np.zeros_like(self.c), where=played)
+        dev = np.maximum(self.cc - self.seen * mean * mean, 0.0)        # Σ (c_i − c̄)² per arm
+        rel = np.divide(dev, mean * mean, out=np.zeros_like(dev), where=mean > 0)
+        dof = np.maximum(self.seen - 1.0, 0.0).sum(axis=1, keepdims=True)
+        cv2 = rel.sum(axis=1, keepdims=True) / np.maximum(dof, 1.0)   # 0 until an arm repeats
+        share = np.divide(self._prior_cost(), seconds, out=np.zeros_like(self.c), where=seconds > 0)
+        return np.divide((rate * share) ** 2 * cv2, self.seen, out=np.zeros_like(self.c),
+                         where=played)
 
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
         """One Thompson draw per replicate and arm: R̂ + explore · sd · N(0, 1)."""
