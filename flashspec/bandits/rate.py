@@ -150,7 +150,8 @@ class RateStats:
         rel = np.divide(dev, mean * mean, out=np.zeros_like(dev), where=mean > 0)
         dof = np.maximum(self.seen - 1.0, 0.0).sum(axis=1, keepdims=True)
         cv2 = rel.sum(axis=1, keepdims=True) / np.maximum(dof, 1.0)   # 0 until an arm repeats
-        share = np.divide(self._prior_cost(), seconds, out=np.zeros_like(self.c), where=seconds > 0)
+        # seconds is this run's steps plus the pseudo-steps at its times (_seconds): their share
+        share = np.divide(seconds - self.c, seconds, out=np.zeros_like(self.c), where=seconds > 0)
         return np.divide((rate * share) ** 2 * cv2, self.seen, out=np.zeros_like(self.c),
                          where=played)
 

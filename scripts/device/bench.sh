@@ -14,8 +14,9 @@
 #   SEED=<a seed no committed record used> bash scripts/device/bench.sh [cells...]
 #                                                  # carry .whl and .cache/data; on a lent H100
 #                                                  # add HW=h100 (the profile cell then checks a100);
-#                                                  # EXTRA="k=v 'k2={a: 1}' ..." adds overrides to every model
-#                                                  # cell (priors.save=DIR, priors.path=DIR)
+#                                                  # EXTRA="k=v 'k2={a: 1}' ..." adds overrides
+#                                                  # to every model cell (priors.save=DIR; runpy
+#                                                  # in env.sh)
 # Cells: greedy (HumanEval and MT-Bench, B = 1, T = 0), t1 (both at T = 1), b32 (HumanEval,
 # B = 32, 64 prompts), profile (HumanEval greedy with hardware=h100 runtime=resident: another
 # CUDA profile on the resident loop must give the greedy cell's tokens, method by method).
@@ -45,8 +46,6 @@ fi
 HW=${HW:-h200}                      # the card lent: h200 | h100 (the resident loop on either)
 ALT=$([ "$HW" = h100 ] && echo a100 || echo h100)   # another CUDA profile for the profile cell
 ARGS="experiment=bench hardware=$HW runtime=resident logger=disabled target.source=$GGUF dataset.seed=$SEED"
-eval "XA=(${EXTRA:-})"   # EXTRA split as the shell splits a command line: a quoted override
-runpy() { python3 run.py "$@" "${XA[@]}"; }   # keeps its spaces (a method given inline)
 one() {
   case $1 in
     greedy) runpy -m $ARGS dataset=humaneval,mtbench hydra.sweep.dir=$OUT/greedy ;;

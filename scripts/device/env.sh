@@ -5,3 +5,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.whl/site:$PWD
 GGUF=/dev/shm/SmolLM2-135M-Instruct.Q4_1.gguf
+eval "XA=(${EXTRA:-})"   # EXTRA split as the shell splits a command line: a quoted override
+runpy() { python3 run.py "$@" "${XA[@]}"; }   # keeps its spaces (a method given inline), last

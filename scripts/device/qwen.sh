@@ -87,8 +87,6 @@ if [ ! -f "$DRAFTER" ] && ls $QD/in/p?? >/dev/null 2>&1; then   # parts carried 
   mkdir -p "$(dirname "$DRAFTER")" && cat $QD/in/p?? > "$DRAFTER" &&
     cp $QD/in/eagle_best.json "${DRAFTER%.safetensors}.json" && sha256sum "$DRAFTER"
 fi
-eval "XA=(${EXTRA:-})"   # EXTRA split as the shell splits a command line (quoted overrides keep
-runpy() { python3 run.py "$@" "${XA[@]}"; }   # their spaces), after each stage's own
 BASE="runpy hardware=$HW runtime=resident target=qwen2.5-coder-1.5b logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=24"
 ARMS="experiment.references=[each_arm] bandit=ucb1"   # every arm alone beside UCB1 over them
 DEC="$BASE drafters=qwen_coder $ARMS"
