@@ -22,6 +22,7 @@
 #                                                # AR, greedy and T = 1), eagle_fp32 (greedy
 #                                                # equality in fp32); HW (h100, h200) is read
 #                                                # from nvidia-smi unless set.
+#   S=<seed> bash scripts/device/qwen.sh eagle_tree  # its chain beside dynamic / three-branch trees
 #   MIX="<draws>" S=<draw> bash scripts/device/qwen.sh mixed   # experiment=mixed_stream with the
 #                                                # drafter, prompt lookup and (its parts carried)
 #                                                # the 0.5B, one job per draw in MIX
@@ -135,10 +136,19 @@ stage() {
                experiment.temperature=$t $ARMS 'experiment.methods=[ar,spec,each_arm]' \
                hydra.run.dir=$R/${1}_t${t%.0} || return 1
            done;;
+    eagle_tree)  # the trained drafter's chain beside its trees, alone and under UCB1, greedy and
+           # T = 1 (at T = 1 the shallow three-branch tree the bench uses), on TREE_DS
+           for ds in ${TREE_DS:-humaneval mtbench}; do for t in 0.0 1.0; do
+             arms=$([ $t = 0.0 ] && echo "[[eagle_qwen,4],[eagle_qwen,dyn15d6k4],[eagle_qwen,dyn31d7k6]]" \
+                                 || echo "[[eagle_qwen,3],[eagle_qwen,3x1x1],[eagle_qwen,2x1x1]]")
+             $BASE drafters=qwen_eagle drafters.drafters.eagle_qwen.checkpoint=$DRAFTER dataset=$ds \
+               experiment.temperature=$t "drafters.arms=$arms" $ARMS 'experiment.methods=[ar,spec,each_arm]' \
+               hydra.run.dir=$R/tree_${ds}_t${t%.0} || return 1
+           done; done;;
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen || return 1
            [ -d /dev/shm/qwen_parts/q05 ] || { echo "no 0.5B on the box: head_decode_qwen05 skipped"; return 0; }
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm mixed)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm eagle_tree mixed)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
