@@ -219,8 +219,12 @@ class SpecEngine:
         last["budgets"] = [max_new_tokens] * batch
         t_decode = time.perf_counter()
 
+        read: list[Snapshot] = []        # the last chunk the host read (host facts are its)
+        stepper.copy_tokens = self._reads_host_facts()
+
         def choose() -> tuple[Arm, tuple[int, Arm, dict]]:
-            context = self._context(stepper, len(step_s), domain, last["finished"])
+            context = self._context(stepper, len(step_s), domain, last["finished"],
+                                    read[-1] if read else None)
             arm_id = self.policy.select(context)
             played = self._plan(self.arms[arm_id], last)
             return played, (arm_id, played, context)
@@ -228,6 +232,7 @@ class SpecEngine:
         def observe(snap: Snapshot, now: dict[str, list[int]]) -> None:
             delta = {k: [a - b for a, b in zip(now[k], last[k])] for k in COUNTERS[:4]}
             last.update(now)
+            read[:] = [snap]
             n_live = max(delta["steps"])
             if n_live == 0:
                 return
@@ -261,14 +266,19 @@ class SpecEngine:
         return BatchResult(rows=rows, wall_s=t1 - t0, decode_s=t1 - t_decode, step_s=step_s,
                            capture_s=self.capture_s - capture0)
 
+    def _reads_host_facts(self) -> bool:
+        """Whether the policy conditions on more than the step and the domain (on drafters'
+        host facts, read from the committed tokens)."""
+        return bool(set(self.policy.context_keys) - {"step", "domain"})
+
     def _context(self, stepper: Stepper, step: int, domain: str | None,
-                 finished: list[int]) -> dict:
+                 finished: list[int], read: Snapshot | None) -> dict:
         """What the policy may condition on: step, domain, and the drafters' host facts it
-        asks for (:class:`flashspec.drafters.HostFacts`, from the committed tokens: a device
-        read per chunk on the captured stepper)."""
+        asks for (:class:`flashspec.drafters.HostFacts`, from the tokens committed up to
+        ``read``, the last chunk the host read, where the stepper copied them with it)."""
         context: dict = {"step": step, "domain": domain}
-        if set(self.policy.context_keys) - set(context):
-            tokens = stepper.host_tokens()
+        if self._reads_host_facts():
+            tokens = stepper.host_tokens(read)
             for drafter in self.drafters:
                 if isinstance(drafter, HostFacts):
                     context.update(drafter.features(tokens, finished))

@@ -180,6 +180,8 @@ class ResidentLoop:
         self._ring = [torch.zeros(len(COUNTERS), batch, dtype=torch.long,
                                   pin_memory=dev.type == "cuda") for _ in range(4)]
         self._next = 0
+        self.copy_tokens = False                # set by the engine for a policy on host facts
+        self._token_ring: list[torch.Tensor] = []   # the token buffer's copies, as _ring's
         self._host_rows: list[list[int]] = []   # host_tokens' rows, started by load
 
     @property
@@ -414,10 +416,17 @@ class ResidentLoop:
     def snapshot(self, tag: object, n_steps: int, start: torch.cuda.Event | float) -> Snapshot:
         """Counters after the launched steps, copied without stalling the device; ``tag``
         names the decision the chunk ran under."""
-        host = self._ring[self._next]
+        host, tokens = self._ring[self._next], None
+        if self.copy_tokens:
+            if not self._token_ring or self._token_ring[0].shape != self.state.tokens.shape:
+                pin = self.state.tokens.device.type == "cuda"
+                self._token_ring = [torch.empty(self.state.tokens.shape, dtype=torch.long,
+                                                pin_memory=pin) for _ in self._ring]
+            tokens = self._token_ring[self._next]
+            tokens.copy_(self.state.tokens, non_blocking=self.capture)
         self._next = (self._next + 1) % len(self._ring)
         host.copy_(self.state.counters(), non_blocking=self.capture)
-        return Snapshot(host, tag, n_steps, start, self.mark())
+        return Snapshot(host, tag, n_steps, start, self.mark(), tokens=tokens)
 
     def tokens(self) -> list[list[int]]:
         """Every row's committed tokens (prompt included), read once at the end."""
@@ -425,17 +434,24 @@ class ResidentLoop:
         rows = self.state.tokens[:, :max(lengths)].tolist()
         return [row[:n] for row, n in zip(rows, lengths)]
 
-    def host_tokens(self) -> list[list[int]]:
-        """Every row's committed tokens as they stand, for drafters' host facts: a device read
-        that waits for the work in flight (a drafting queued ahead commits nothing), asked once
-        a chunk and only by a policy that conditions on such facts. The same list per row from
-        one call to the next, extended by what was committed since: one read of the new span
-        instead of the whole buffer, and a host index over a row (the n-gram drafter's) stays
-        incremental instead of being rebuilt over the whole history every step."""
-        rows, lengths = self._host_rows, self.state.lengths.tolist()
+    def host_tokens(self, snapshot: Snapshot | None = None) -> list[list[int]]:
+        """Every row's committed tokens, for drafters' host facts (asked once a chunk, only by
+        a policy that conditions on such facts): as of ``snapshot``, a chunk the host has read,
+        from the copy taken with its counters (``copy_tokens``), else as they stand, a device
+        read that waits for the work in flight. Reading the copy keeps the device busy while
+        the host decides (a read behind the chunk in flight cost a contextual policy's steps
+        over a tenth of their time on a GPU); the facts then lag one chunk, as rewards do. The
+        same list per row from one call to the next, extended by what was committed since, so
+        a host index over a row (the n-gram drafter's) stays incremental."""
+        rows = self._host_rows
+        if snapshot is not None and snapshot.tokens is not None:
+            lengths = snapshot.wait()["lengths"]
+            source = snapshot.tokens
+        else:
+            lengths, source = self.state.lengths.tolist(), self.state.tokens
         lo, hi = min((len(r) for r in rows), default=0), max(lengths, default=0)
         if hi > lo:
-            new = self.state.tokens[:, lo:hi].tolist()
+            new = source[:, lo:hi].tolist()
             for row, n, fresh in zip(rows, lengths, new):
                 row.extend(fresh[len(row) - lo:n - lo])
         return rows

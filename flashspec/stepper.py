@@ -39,7 +39,9 @@ DRAFT_STREAM = 0x5BD1E995    # xor-ed into a step's verify seed: the drafter's o
 @dataclass
 class Snapshot:
     """Counters after a chunk (``host``: [len(COUNTERS), B], pinned memory for a captured
-    stepper); ``wait`` blocks until they landed."""
+    stepper); ``wait`` blocks until they landed. ``tokens``: the token buffer copied with them
+    (a captured stepper whose ``copy_tokens`` is set), so that host facts about a chunk the
+    host has read need no device read, which would wait for the chunk in flight."""
 
     host: torch.Tensor
     tag: object            # the decision the chunk ran under
@@ -47,6 +49,7 @@ class Snapshot:
     start: torch.cuda.Event | float | None
     end: torch.cuda.Event | float | None
     launched: int = 0        # steps launched up to and including this chunk
+    tokens: torch.Tensor | None = None
 
     def wait(self) -> dict[str, list[int]]:
         if isinstance(self.end, torch.cuda.Event):
@@ -64,6 +67,7 @@ class Stepper(Protocol):
 
     capture: bool              # the device runs ahead of the host (run_chunks overlaps)
     capture_s: float           # CUDA-graph capture time so far
+    copy_tokens: bool          # snapshots carry the token buffer (a policy reads host facts)
 
     def prepare(self, arms: Sequence[Arm]) -> None: ...     # every step it may launch, ahead
 
@@ -81,7 +85,8 @@ class Stepper(Protocol):
 
     def tokens(self) -> list[list[int]]: ...
 
-    def host_tokens(self) -> list[list[int]]: ...   # committed so far (host facts read them)
+    def host_tokens(self, snapshot: Snapshot | None = None) -> list[list[int]]: ...
+    # committed tokens (host facts read them): as of ``snapshot`` where it carries them
 
     def histogram(self) -> list[list[int]]: ...
 
@@ -132,6 +137,7 @@ class ReferenceStepper:
 
     capture = False
     capture_s = 0.0
+    copy_tokens = False         # every chunk is read before the next: the rows are current
 
     def __init__(self, target: LlamaLM, cache: KVCache, backend: Backend, params: SamplingParams,
                  eos_ids: Sequence[int], batch: int, gamma_max: int,
@@ -180,8 +186,9 @@ class ReferenceStepper:
     def calls(self) -> int:
         return self._calls
 
-    def host_tokens(self) -> list[list[int]]:
-        """Every row's committed tokens as they stand (what host facts read)."""
+    def host_tokens(self, snapshot: Snapshot | None = None) -> list[list[int]]:
+        """Every row's committed tokens as they stand (what host facts read; no chunk is in
+        flight when the host reads them, so the snapshot adds nothing)."""
         return self.rows
 
     # ------------------------------------------------------------------ steps

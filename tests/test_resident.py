@@ -401,6 +401,36 @@ def test_host_facts_are_read_incrementally_and_are_exact(small, drafters, eos, o
             assert got == features(ngram.NgramDrafter(), lists, finished)
 
 
+def test_host_facts_come_from_the_chunk_read_not_the_buffer(small, drafters, eos, overlapped,
+                                                           monkeypatch):
+    """Driven as on a GPU (the next chunk in flight while the host decides), the captured
+    stepper hands host facts the tokens of the chunk the host last read, from the copy taken
+    with its counters: the live buffer, already ahead by the chunk in flight, is not read (a
+    device read there waits for that chunk, which cost a contextual policy's steps over a tenth
+    of their time on an H100). The output is still the target's greedy output."""
+    handed, ahead = [], []
+    host_tokens = ResidentLoop.host_tokens
+
+    def recorded(self, snapshot=None):
+        assert snapshot is None or snapshot.tokens is not None    # copy_tokens was set
+        live = self.state.lengths.tolist()
+        rows = host_tokens(self, snapshot)
+        if snapshot is not None:
+            handed.append(([len(r) for r in rows], snapshot.wait()["lengths"]))
+            ahead.append(any(a > b for a, b in zip(live, handed[-1][1])))
+        return rows
+
+    monkeypatch.setattr(ResidentLoop, "host_tokens", recorded)
+    model, prompts = small
+    arms = [Arm("ngram", 2), Arm("skip", 2)]
+    rows = run(model, prompts, arms, eos, drafters, resident=True, chunk=2,
+               policy=PerDomain(2, seed=0, key="ngram_match"))
+    assert handed and all(got == read for got, read in handed)
+    assert any(ahead)           # the buffer was ahead of the chunk read when the host decided
+    plain = run(model, prompts, [Arm("ngram", 2)], eos, drafters)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain]
+
+
 def test_resident_refuses_what_it_cannot_run(small, drafters):
     model, _ = small
     arms = [Arm("ngram", 2), Arm("skip", 2)]
