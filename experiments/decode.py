@@ -37,7 +37,8 @@ from flashspec.paths import file_sha256, repo_path
 from flashspec.records import DecodeRecord, config_hash
 from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, decode_stats,
                                format_bandit_vs_fixed, format_table, method_records, percentile,
-                               pick_counts, policy_regret, rates, summarize, vs_best_interval)
+                               pick_counts, policy_regret, rates, step_overhead, summarize,
+                               vs_best_interval)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
 
@@ -607,6 +608,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 run.logger.summary(dict(zip(keys, cmp["vs_best_fixed_interval"])))
         _stream_figure(records, cfg, run.path)
         job, regret = job_metrics(records, plan, target, 5 if cfg.smoke else int(exp.timing_iters))
+        costs = [f"  {k.removesuffix('/step_overhead')}: {v:.3f} ({job[k + '_prompts']} prompts)"
+                 for k, v in job.items() if k.endswith("/step_overhead")]
+        if costs:
+            log.info("seconds per step of a policy over its arm's alone, on the prompts it "
+                     "played on one arm (median):\n%s", "\n".join(costs))
         log.info("job metrics:\n%s", "\n".join(f"  {k} = {_fmt(v)}" for k, v in job.items()))
         for step, value in enumerate(regret):   # x axis: regret/t
             run.logger.log({"regret/t": step + 1, "regret/cumulative": value})
@@ -636,11 +642,20 @@ def bench_vs_best_fixed(job: dict[str, Any], plan: Plan, records: list[dict]) ->
     return out
 
 
+def policy_methods(plan: Plan) -> dict[str, dict[int, str]]:
+    """Every learning method of the job -> its arms played alone (arm index -> method)."""
+    out = {m: plan.arms for m in ([plan.spec] if plan.spec else []) + plan.extra if plan.arms}
+    out.update({m: alone for m, alone in plan.named_alone.items()
+                if len(plan.named_arms.get(m, ())) > 1 and alone})
+    return out
+
+
 def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[dict[str, Any], list[float]]:
     """The papers' quantities of one job under flat keys (identical across jobs of a sweep):
     ``<role>/{alpha,tau,tps,decode_tps,speedup,step_p50_s,step_p99_s}`` for ar, spec,
     ref_full_head, each arm (``arm/<name>/...``), extra policies, HF baselines and bench
-    methods (``<method>/...``, with ``speedup_pooled``: pooled TPS over AR's); ``rho_tau``,
+    methods (``<method>/...``, with ``speedup_pooled``: pooled TPS over AR's), a policy's
+    ``step_overhead`` (:func:`flashspec.metrics.step_overhead`); ``rho_tau``,
     ``nu``, ``kappa``, ``rho_tps_pred``, ``rho_tps_meas``; ``regret/final`` and the per-step
     series; ``arm_picks/<arm>``; the head's rank and size."""
     ar = method_records(records, "ar")
@@ -654,6 +669,12 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
         if ar_tps and job.get(f"{name}/tps") is not None:
             job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
     job.update(bench_vs_best_fixed(job, plan, records))
+    roles = plan.roles()
+    for method, alone in policy_methods(plan).items():
+        cost = step_overhead(records, method, alone)
+        if cost is not None:
+            job[f"{roles.get(method, method)}/step_overhead"] = cost[0]
+            job[f"{roles.get(method, method)}/step_overhead_prompts"] = cost[1]
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)

@@ -118,6 +118,35 @@ def vs_best_interval(records: Iterable[dict[str, Any]], method: str, rivals: Seq
     return float(lo), float(hi)
 
 
+def single_arm(record: dict[str, Any]) -> int | None:
+    """The arm index a policy's record played on every step (its ``arms``, or the packed
+    ``arm_counts``), or None when it played several or none."""
+    arms = record.get("arms")
+    if arms:
+        return arms[0] if all(a == arms[0] for a in arms) else None
+    played = [int(a) for a, n in (record.get("arm_counts") or {}).items() if n]
+    return played[0] if len(played) == 1 else None
+
+
+def step_overhead(records: Iterable[dict[str, Any]], method: str, alone: dict[int, str]
+                  ) -> tuple[float, int] | None:
+    """What a policy's own work costs a step, apart from which arms it picked: over the prompts
+    where ``method`` played one arm on every step, the median of its decode seconds per step
+    over those of the method playing that arm alone (``alone``: arm index -> method) on the
+    same prompt and turn, and how many prompts that is. Decisions, host facts and drafters kept
+    in step show here; which arm was best does not. None without such a prompt."""
+    records = list(records)
+    ref = {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
+           for r in records if r.get("method") in set(alone.values())}
+    ratios = []
+    for r in method_records(records, method):
+        arm = single_arm(r)
+        other = ref.get((r.get("prompt_id"), r.get("turn") or 0, alone.get(arm)))
+        if other and r["steps"] and other["steps"] and other["decode_s"] > 0:
+            ratios.append((r["decode_s"] / r["steps"]) / (other["decode_s"] / other["steps"]))
+    return (statistics.median(ratios), len(ratios)) if ratios else None
+
+
 def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:
     """Per method over the whole run (every dataset): ``pooled_rate`` of its records."""
     groups: dict[str, list[dict]] = defaultdict(list)

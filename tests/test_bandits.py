@@ -335,6 +335,27 @@ def test_vs_best_interval_resamples_batches_and_repicks_the_best_arm():
     assert vs_best_interval(pair[:2] + pair[3:5], "x", ["y"]) is None
 
 
+def test_step_overhead_compares_a_policy_with_the_arm_it_played_alone():
+    """A policy that played arm 1 on every step of p0 (10 steps in 1.1 s against the arm alone's
+    20 in 2.0 s) and of p1 (packed counts: 5 steps in 0.6 s against 5 in 0.5 s) costs 1.1 and
+    1.2 per step; p2, played on two arms, and p3, whose arm ran no reference, do not count."""
+    from flashspec.metrics import step_overhead
+
+    def rec(method, pid, steps, seconds, **arms):
+        return {"method": method, "prompt_id": pid, "turn": 0, "steps": steps,
+                "decode_s": seconds, **arms}
+    alone = {0: "spec:a@3", 1: "spec:b@3"}
+    recs = [rec("spec:b@3", "p0", 20, 2.0), rec("spec:b@3", "p1", 5, 0.5),
+            rec("spec:a@3", "p2", 8, 0.8), rec("spec:b@3", "p2", 8, 0.8),
+            rec("pol", "p0", 10, 1.1, arms=[1] * 10),
+            rec("pol", "p1", 5, 0.6, arm_counts={"0": 0, "1": 5}),
+            rec("pol", "p2", 8, 4.0, arms=[0, 1, 1, 1, 1, 1, 1, 1]),
+            rec("pol", "p3", 8, 4.0, arms=[2] * 8)]
+    cost, n = step_overhead(recs, "pol", alone)
+    assert n == 2 and cost == pytest.approx(1.15)
+    assert step_overhead(recs, "spec:a@3", alone) is None     # no arms: nothing to compare
+
+
 def test_the_per_domain_oracle_plays_each_domains_fastest_fixed_arm():
     """x wins code (100 tokens in 2 s against 4 s), y wins chat (100 in 1 s against 5 s): the
     oracle decodes 200 tokens in 3 s, against x's 7 s over the run (the best fixed arm)."""

@@ -1,0 +1,49 @@
+"""What each policy of a decode job's records cost a step apart from its choices, for records
+written before the job metrics carried it (``<method>/step_overhead``):
+
+    python scripts/step_overhead.py <job folder> [<job folder> ...]
+
+A job folder holds ``records.jsonl`` (or the packed ``records.jsonl.gz``) and the provenance
+(in the records or a ``provenance.json`` beside them); the policy's arms, in index order, are
+the run config's ``drafters.arms``, each played alone as ``spec:<drafter>@<γ or tree>``. Prints
+one JSON object per folder: method -> [median seconds per step over the arm's alone, prompts]
+(:func:`flashspec.metrics.step_overhead`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashspec.metrics import step_overhead  # noqa: E402
+from flashspec.records import read_records  # noqa: E402
+
+
+def overheads(job: Path) -> dict[str, list[float]]:
+    path = next((p for p in (job / "records.jsonl", job / "records.jsonl.gz") if p.exists()), None)
+    if path is None:
+        raise SystemExit(f"step_overhead: no records.jsonl(.gz) in {job}")
+    records = list(read_records(path))
+    prov = records[0].get("provenance") or json.loads((job / "provenance.json").read_text())
+    arms = prov["config"]["drafters"]["arms"]
+    alone = {i: f"spec:{drafter}@{shape}" for i, (drafter, shape) in enumerate(arms)}
+    policies = sorted({r["method"] for r in records if r["method"].startswith("spec:bandit")})
+    out = {}
+    for method in policies:
+        cost = step_overhead(records, method, alone)
+        if cost is not None:
+            out[method] = [round(cost[0], 4), cost[1]]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("jobs", nargs="+", type=Path)
+    for job in ap.parse_args().jobs:
+        print(json.dumps({"job": str(job), "step_overhead": overheads(job)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
