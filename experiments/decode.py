@@ -37,8 +37,8 @@ from flashspec.paths import file_sha256, repo_path
 from flashspec.records import DecodeRecord, config_hash
 from flashspec.metrics import (arm_mean_rewards, arm_method, bandit_vs_fixed, decode_stats,
                                format_bandit_vs_fixed, format_table, method_records, percentile,
-                               pick_counts, policy_regret, rates, step_overhead, summarize,
-                               vs_best_interval)
+                               pick_counts, policy_regret, pooled_tps, priced_rate, rates,
+                               step_overhead, summarize, vs_best_interval)
 from flashspec.theory import kappa, rho_tps
 from flashspec.seeds import derive_seed
 
@@ -613,6 +613,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if costs:
             log.info("seconds per step of a policy over its arm's alone, on the prompts it "
                      "played on one arm (median):\n%s", "\n".join(costs))
+        priced = [f"  {k.removesuffix('/priced_vs_best_fixed')}: {v:.3f}"
+                  for k, v in job.items() if k.endswith("/priced_vs_best_fixed")]
+        if priced:
+            log.info("a policy's choices priced at each arm's seconds per step alone on the same "
+                     "prompt, over the best arm alone (its own cost left out):\n%s",
+                     "\n".join(priced))
         log.info("job metrics:\n%s", "\n".join(f"  {k} = {_fmt(v)}" for k, v in job.items()))
         for step, value in enumerate(regret):   # x axis: regret/t
             run.logger.log({"regret/t": step + 1, "regret/cumulative": value})
@@ -655,7 +661,8 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
     ``<role>/{alpha,tau,tps,decode_tps,speedup,step_p50_s,step_p99_s}`` for ar, spec,
     ref_full_head, each arm (``arm/<name>/...``), extra policies, HF baselines and bench
     methods (``<method>/...``, with ``speedup_pooled``: pooled TPS over AR's), a policy's
-    ``step_overhead`` (:func:`flashspec.metrics.step_overhead`); ``rho_tau``,
+    ``step_overhead`` and ``priced_vs_best_fixed`` (:func:`flashspec.metrics.step_overhead`,
+    :func:`~flashspec.metrics.priced_rate`); ``rho_tau``,
     ``nu``, ``kappa``, ``rho_tps_pred``, ``rho_tps_meas``; ``regret/final`` and the per-step
     series; ``arm_picks/<arm>``; the head's rank and size."""
     ar = method_records(records, "ar")
@@ -669,12 +676,16 @@ def job_metrics(records: list[dict], plan: Plan, target, iters: int) -> tuple[di
         if ar_tps and job.get(f"{name}/tps") is not None:
             job[f"{name}/speedup_pooled"] = job[f"{name}/tps"] / ar_tps
     job.update(bench_vs_best_fixed(job, plan, records))
-    roles = plan.roles()
+    roles, tps = plan.roles(), pooled_tps(records)
     for method, alone in policy_methods(plan).items():
+        role = roles.get(method, method)
         cost = step_overhead(records, method, alone)
         if cost is not None:
-            job[f"{roles.get(method, method)}/step_overhead"] = cost[0]
-            job[f"{roles.get(method, method)}/step_overhead_prompts"] = cost[1]
+            job[f"{role}/step_overhead"], job[f"{role}/step_overhead_prompts"] = cost
+        priced = priced_rate(records, method, alone)
+        best = max((tps[m] for m in alone.values() if m in tps), default=None)
+        if priced is not None and best:
+            job[f"{role}/priced_vs_best_fixed"] = priced / best
     regret: list[float] = []
     if plan.spec and plan.arms:
         means = arm_mean_rewards(records, plan.arm_names)

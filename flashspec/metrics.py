@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -145,6 +145,33 @@ def step_overhead(records: Iterable[dict[str, Any]], method: str, alone: dict[in
         if other and r["steps"] and other["steps"] and other["decode_s"] > 0:
             ratios.append((r["decode_s"] / r["steps"]) / (other["decode_s"] / other["steps"]))
     return (statistics.median(ratios), len(ratios)) if ratios else None
+
+
+def priced_rate(records: Iterable[dict[str, Any]], method: str, alone: dict[int, str]
+                ) -> float | None:
+    """Pooled tok/s ``method`` would have had if each of its steps had cost what a step of the
+    same arm cost played alone on the same prompt (its wall time less its decode time, plus its
+    steps per arm times that arm's seconds per step alone there): its choices priced without
+    its own overhead. Batches of one prompt only (a batch's steps are shared by its rows); None
+    when a prompt lacks a reference or its steps per arm are unknown."""
+    records = list(records)
+    ref = {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
+           for r in records if r.get("method") in set(alone.values())}
+    tokens = seconds = 0.0
+    for r in method_records(records, method):
+        counts = ({int(a): n for a, n in r["arm_counts"].items()} if r.get("arm_counts")
+                  else Counter(r.get("arms") or []))
+        if not counts or (r.get("batch_size") or 1) > 1:
+            return None
+        priced = 0.0
+        for arm, n in counts.items():
+            other = ref.get((r.get("prompt_id"), r.get("turn") or 0, alone.get(arm)))
+            if not other or not other["steps"]:
+                return None
+            priced += n * other["decode_s"] / other["steps"]
+        tokens += r["n_new_tokens"]
+        seconds += r["wall_s"] - r["decode_s"] + priced
+    return tokens / seconds if seconds > 0 else None
 
 
 def pooled_tps(records: Iterable[dict[str, Any]]) -> dict[str, float]:

@@ -356,6 +356,23 @@ def test_step_overhead_compares_a_policy_with_the_arm_it_played_alone():
     assert step_overhead(recs, "spec:a@3", alone) is None     # no arms: nothing to compare
 
 
+def test_priced_rate_prices_each_step_at_its_arms_cost_alone():
+    """A policy that took 12 steps on p0 (4 on arm 0, 8 on arm 1) in 2.0 s of decode within 2.5 s
+    of wall, where arm 0 alone costs 0.1 s a step and arm 1 0.05 s: priced, 0.5 + 0.4 + 0.4 s
+    for its 100 tokens; with arm 1 never played alone, or a batch of two rows, it has no price."""
+    from flashspec.metrics import priced_rate
+
+    base = {"prompt_id": "p0", "turn": 0, "n_new_tokens": 100, "batch_size": 1}
+    recs = [{**base, "method": "spec:a@3", "steps": 10, "decode_s": 1.0, "wall_s": 1.2},
+            {**base, "method": "spec:b@3", "steps": 20, "decode_s": 1.0, "wall_s": 1.2},
+            {**base, "method": "pol", "steps": 12, "decode_s": 2.0, "wall_s": 2.5,
+             "arms": [0] * 4 + [1] * 8}]
+    alone = {0: "spec:a@3", 1: "spec:b@3"}
+    assert priced_rate(recs, "pol", alone) == pytest.approx(100 / 1.3)
+    assert priced_rate(recs[::2], "pol", alone) is None
+    assert priced_rate(recs[:2] + [{**recs[2], "batch_size": 2}], "pol", alone) is None
+
+
 def test_the_per_domain_oracle_plays_each_domains_fastest_fixed_arm():
     """x wins code (100 tokens in 2 s against 4 s), y wins chat (100 in 1 s against 5 s): the
     oracle decodes 200 tokens in 3 s, against x's 7 s over the run (the best fixed arm)."""

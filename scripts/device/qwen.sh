@@ -94,13 +94,15 @@ DEC="$BASE drafters=qwen_coder $ARMS"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
 stage() {
   case $1 in
-    setup)
+    setup)  # both models at once: each conversion is one single-threaded dequantisation
       for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
         [ -d /dev/shm/qwen_parts/$tag ] || { echo "no parts of $name on the box"; continue; }
         dest=$(python3 scripts/prepare_model.py "$name" --where); mkdir -p "$(dirname "$dest")"
         [ -f "$dest" ] || cat /dev/shm/qwen_parts/$tag/p* > "$dest"
-        python3 scripts/prepare_model.py "$name" --offline 2>&1 | tail -4     # pins, header, convert
-      done;;
+        python3 scripts/prepare_model.py "$name" --offline > "$R/setup_$tag.log" 2>&1 &  # pins, header, convert
+      done
+      ok=0; for job in $(jobs -p); do wait "$job" || ok=1; done
+      tail -q -n 4 $R/setup_*.log; return $ok;;
     he)  $DEC dataset=humaneval 'experiment.methods=[ar,spec,each_arm,hf_generate,hf_compiled]' hydra.run.dir=$R/he;;
     mt)  $DEC dataset=mtbench 'experiment.methods=[ar,spec,each_arm]' hydra.run.dir=$R/mt;;
     gsm) $DEC dataset=gsm8k 'experiment.methods=[ar,spec,each_arm]' hydra.run.dir=$R/gsm;;
