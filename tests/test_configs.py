@@ -188,14 +188,15 @@ def test_experiment_preset_overrides_several_groups():
     cfg = composed("experiment=mixed_stream")
     assert cfg.dataset.name == "mixed" and cfg.dataset.n_prompts == 24
     assert list(cfg.drafters.drafters) == ["ngram", "eagle_lr72", "skip10"]
-    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ngram_match_tps", "rate_tps",
-                                               "domain_match_tps_cold", "ucb1", "d_rate_tps",
-                                               "sw_ucb_tps"}
+    assert set(cfg.experiment.extra_bandits) == {"ngram_hit_tps", "ngram_match_tps_cold",
+                                               "rate_tps", "domain_match_tps", "ucb1",
+                                               "d_rate_tps", "sw_ucb_tps"}
     assert cfg.priors.use and cfg.priors.weight == 10
     # the policy warm, its cold twin beside it: one config, two labels
     arms = config_arms(cfg.drafters)
     warm = make_policy(cfg.bandit, len(arms), 0)
-    cold = make_policy(cfg.experiment.extra_bandits.domain_match_tps_cold, len(arms), 0)
+    assert warm.label == "contextual[ngram_match](d_rate_thompson)/tps"
+    cold = make_policy(cfg.experiment.extra_bandits.ngram_match_tps_cold, len(arms), 0)
     assert (warm.cold, cold.cold) == (False, True)
     assert cold.label == warm.label + "/cold"
     assert cfg.experiment.name == "decode"
