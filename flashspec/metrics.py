@@ -128,6 +128,13 @@ def single_arm(record: dict[str, Any]) -> int | None:
     return played[0] if len(played) == 1 else None
 
 
+def _alone_by_prompt(records: list[dict[str, Any]], alone: dict[int, str]
+                     ) -> dict[tuple, dict[str, Any]]:
+    """The records of the methods that play an arm alone, by (prompt, turn, method)."""
+    return {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
+            for r in records if r.get("method") in set(alone.values())}
+
+
 def step_overhead(records: Iterable[dict[str, Any]], method: str, alone: dict[int, str]
                   ) -> tuple[float, int] | None:
     """What a policy's own work costs a step, apart from which arms it picked: over the prompts
@@ -136,8 +143,7 @@ def step_overhead(records: Iterable[dict[str, Any]], method: str, alone: dict[in
     same prompt and turn, and how many prompts that is. Decisions, host facts and drafters kept
     in step show here; which arm was best does not. None without such a prompt."""
     records = list(records)
-    ref = {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
-           for r in records if r.get("method") in set(alone.values())}
+    ref = _alone_by_prompt(records, alone)
     ratios = []
     for r in method_records(records, method):
         arm = single_arm(r)
@@ -155,8 +161,7 @@ def priced_rate(records: Iterable[dict[str, Any]], method: str, alone: dict[int,
     its own overhead. Batches of one prompt only (a batch's steps are shared by its rows); None
     when a prompt lacks a reference or its steps per arm are unknown."""
     records = list(records)
-    ref = {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
-           for r in records if r.get("method") in set(alone.values())}
+    ref = _alone_by_prompt(records, alone)
     tokens = seconds = 0.0
     for r in method_records(records, method):
         counts = ({int(a): n for a, n in r["arm_counts"].items()} if r.get("arm_counts")

@@ -94,7 +94,7 @@ DEC="$BASE drafters=qwen_coder $ARMS"
 QUIET='it/s\]|s/it\]|prompt/s\]|batch/s\]'
 stage() {
   case $1 in
-    setup)  # both models at once: each conversion is one single-threaded dequantisation
+    setup)  # both models at once (their dequantisations overlap on the box's cores)
       for m in $MODELS; do name=${m%%:*}; tag=${m##*:}
         [ -d /dev/shm/qwen_parts/$tag ] || { echo "no parts of $name on the box"; continue; }
         dest=$(python3 scripts/prepare_model.py "$name" --where); mkdir -p "$(dirname "$dest")"
