@@ -118,14 +118,19 @@ def vs_best_interval(records: Iterable[dict[str, Any]], method: str, rivals: Seq
     return float(lo), float(hi)
 
 
+def steps_per_arm(record: dict[str, Any]) -> dict[int, int]:
+    """Steps a policy's record played on each arm index: from its ``arms`` (each step's arm) or
+    the packed ``arm_counts`` (scripts/pack_run.py --no-steps); arms it never played absent."""
+    if record.get("arm_counts"):
+        return {int(a): n for a, n in record["arm_counts"].items() if n}
+    return dict(Counter(record.get("arms") or []))
+
+
 def single_arm(record: dict[str, Any]) -> int | None:
-    """The arm index a policy's record played on every step (its ``arms``, or the packed
-    ``arm_counts``), or None when it played several or none."""
-    arms = record.get("arms")
-    if arms:
-        return arms[0] if all(a == arms[0] for a in arms) else None
-    played = [int(a) for a, n in (record.get("arm_counts") or {}).items() if n]
-    return played[0] if len(played) == 1 else None
+    """The arm index a policy's record played on every step, or None when it played several or
+    none."""
+    played = steps_per_arm(record)
+    return next(iter(played)) if len(played) == 1 else None
 
 
 def _alone_by_prompt(records: list[dict[str, Any]], alone: dict[int, str]
@@ -164,8 +169,7 @@ def priced_rate(records: Iterable[dict[str, Any]], method: str, alone: dict[int,
     ref = _alone_by_prompt(records, alone)
     tokens = seconds = 0.0
     for r in method_records(records, method):
-        counts = ({int(a): n for a, n in r["arm_counts"].items()} if r.get("arm_counts")
-                  else Counter(r.get("arms") or []))
+        counts = steps_per_arm(r)
         if not counts or (r.get("batch_size") or 1) > 1:
             return None
         priced = 0.0

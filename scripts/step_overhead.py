@@ -6,7 +6,8 @@ were worth without that cost:
 
 A job folder holds ``records.jsonl`` (or the packed ``records.jsonl.gz``) and the provenance
 (in the records or a ``provenance.json`` beside them); the policy's arms, in index order, are
-the run config's ``drafters.arms``, each played alone as ``spec:<drafter>@<γ or tree>``. Prints
+the run config's drafter set's (:func:`experiments.harness.config_arms`), each played alone as
+``spec:<arm label>``. Prints
 one JSON object per folder: ``step_overhead``, method -> [median seconds per step over the
 arm's alone, prompts] (:func:`flashspec.metrics.step_overhead`); ``priced_vs_best_fixed``,
 method -> its pooled tok/s with every step priced at its arm's seconds per step alone on that
@@ -20,7 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from flashspec.metrics import pooled_tps, priced_rate, step_overhead  # noqa: E402
+from experiments.harness import config_arms  # noqa: E402
+from flashspec.metrics import arm_method, pooled_tps, priced_rate, step_overhead  # noqa: E402
 from flashspec.records import read_records  # noqa: E402
 
 
@@ -30,8 +32,7 @@ def overheads(job: Path) -> dict[str, dict]:
         raise SystemExit(f"step_overhead: no records.jsonl(.gz) in {job}")
     records = list(read_records(path))
     prov = records[0].get("provenance") or json.loads((job / "provenance.json").read_text())
-    arms = prov["config"]["drafters"]["arms"]
-    alone = {i: f"spec:{drafter}@{shape}" for i, (drafter, shape) in enumerate(arms)}
+    alone = {i: arm_method(a.label) for i, a in enumerate(config_arms(prov["config"]["drafters"]))}
     policies = sorted({r["method"] for r in records if r["method"].startswith("spec:bandit")})
     tps = pooled_tps(records)
     best = max((tps[m] for m in alone.values() if m in tps), default=None)
