@@ -51,10 +51,11 @@ HF_METHODS = {"hf_generate": {}, "hf_compiled": {"cache_implementation": "static
 
 @dataclass
 class Method:
-    """A named way to decode a batch: ``run(prompt_ids, max_new) -> list[dict]`` of row stats."""
+    """A named way to decode a batch: ``run(prompt_ids, max_new, domain, seed, learn=True) ->
+    list[dict]`` of row stats (``learn=False``: an untimed call that teaches its policy nothing)."""
 
     name: str
-    run: Callable[[list[list[int]], int, str | None, int | None], list[dict[str, Any]]]
+    run: Callable[..., list[dict[str, Any]]]
     key: dict[str, Any] | None = None   # what decides its records besides the run-wide part
                                         # (run_key); None: a policy's method, never reused
 
@@ -63,8 +64,8 @@ def engine_method(name: str, engine: SpecEngine, key: dict[str, Any] | None = No
     trees = {i: a.tree.label for i, a in enumerate(engine.arms) if a.tree is not None}
 
     def run(prompts: list[list[int]], max_new: int, domain: str | None,
-            seed: int | None = None) -> list[dict[str, Any]]:
-        res = engine.generate(prompts, max_new, domain=domain, seed=seed)
+            seed: int | None = None, learn: bool = True) -> list[dict[str, Any]]:
+        res = engine.generate(prompts, max_new, domain=domain, seed=seed, learn=learn)
         return [{"tokens": r.tokens, "wall_s": res.wall_s, "decode_s": res.decode_s,
                  "steps": r.steps, "n_proposed": r.n_proposed, "n_accepted": r.n_accepted,
                  "accept_hist": r.accept_hist, "arms": r.arms, "rewards": r.rewards,
@@ -83,7 +84,7 @@ def hf_method(name: str, hf_model, params: SamplingParams, eos: list[int], looku
     the decoding step (torch.compile, CUDA graphs) on a GPU: the ``hf_compiled`` baseline.
     """
     def run(prompts: list[list[int]], max_new: int, domain: str | None,
-            seed: int | None = None) -> list[dict[str, Any]]:
+            seed: int | None = None, learn: bool = True) -> list[dict[str, Any]]:
         if seed is not None:
             torch.manual_seed(seed)
         out = []
@@ -561,12 +562,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                    for m in methods if m.name not in reused}
         todo = [m for m in methods if pending.get(m.name)]
         batches = [prompts[i:i + int(exp.batch_size)] for i in range(0, len(prompts), int(exp.batch_size))]
-        if exp.warmup and todo:  # untimed, on the first batch's prompts; its wall time is the cold start
+        # untimed, on the first batch's prompts; its wall time is the cold start. It teaches no
+        # policy: its steps' seconds are a cold start's, and an arm timed there would be priced
+        # slow for the whole run
+        if exp.warmup and todo:
             warm = [prompt_turn_ids(tokenizer, p, []) for p in batches[0]]
             cold: dict[str, float] = {}
             for m in todo:
                 t0 = time.perf_counter()
-                m.run(warm, 4, None)
+                m.run(warm, 4, None, learn=False)
                 cold[m.name] = time.perf_counter() - t0
             run.provenance["cold_start_s"] = cold
         if exp.get("prefill_all") and todo:
@@ -576,7 +580,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             for m in todo:
                 for batch in batches:
-                    m.run([prompt_turn_ids(tokenizer, p, []) for p in batch], 2, None)
+                    m.run([prompt_turn_ids(tokenizer, p, []) for p in batch], 2, None,
+                          learn=False)
             run.provenance["prefill_all_s"] = time.perf_counter() - t0
         if todo:
             log.info("decoding %d (prompt, turn) record(s) of %s: %s", sum(pending.values()),

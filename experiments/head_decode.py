@@ -159,10 +159,10 @@ def _sync(x: torch.Tensor) -> None:
 def timed_method(m: Method, clock: TimedHead) -> Method:
     """``m`` whose rows also carry the head seconds and calls of that decode call."""
     def run(prompts: list[list[int]], max_new: int, domain: str | None,
-            seed: int | None = None) -> list[dict[str, Any]]:
+            seed: int | None = None, learn: bool = True) -> list[dict[str, Any]]:
         clock.seconds, clock.calls, clock.on = 0.0, 0, True
         try:
-            rows = m.run(prompts, max_new, domain, seed)
+            rows = m.run(prompts, max_new, domain, seed, learn)
         finally:
             clock.on = False
         return [{**r, "head_s": clock.seconds, "head_calls": clock.calls} for r in rows]
@@ -224,7 +224,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         done = run.done_keys("method", "prompt_id", "turn")
         warm = prompt_turn_ids(tokenizer, prompts[0], [])
         for m in methods:
-            m.run([warm], 4, None)
+            m.run([warm], 4, None, learn=False)
         with tqdm(total=len(prompts) * len(methods), desc="head_decode", unit="prompt") as bar:
             for i, p in enumerate(prompts):
                 for m in methods:

@@ -197,12 +197,15 @@ class SpecEngine:
     # ----------------------------------------------------------------- the driver
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 domain: str | None = None, seed: int | None = None) -> BatchResult:
+                 domain: str | None = None, seed: int | None = None,
+                 learn: bool = True) -> BatchResult:
         """Decode every prompt to EOS or ``max_new_tokens``; exact for any arm sequence.
 
         ``seed`` restarts the random streams (drafter sampling and verify) for this call, so
         its tokens do not depend on what the engine decoded before (a resumed run equals an
-        uninterrupted one); None continues the engine's streams."""
+        uninterrupted one); None continues the engine's streams. ``learn=False`` (a warm-up):
+        the policy and the planner are told nothing of these steps, whose seconds are a cold
+        start's (first use of each shape), not what the arm costs."""
         check_generate_inputs(prompts, max_new_tokens, self.target.shape.vocab_size)
         if seed is not None:
             self.seed, self.calls = int(seed), 0
@@ -239,10 +242,11 @@ class SpecEngine:
             arm_id, played, context = snap.tag
             seconds = snap.seconds()
             step_s.extend([seconds / snap.n_steps] * n_live)
-            self._observe_planner(self.arms[arm_id], played, seconds / snap.n_steps, delta)
+            if learn:
+                self._observe_planner(self.arms[arm_id], played, seconds / snap.n_steps, delta)
             r = self._reward(played.drafts, sum(delta["proposed"]), sum(delta["accepted"]),
                              seconds, sum(delta["steps"]))
-            if r is not None:
+            if r is not None and learn:
                 self.policy.update(arm_id, r, seconds / snap.n_steps,
                                    self._outcome(context, self.arms[arm_id], played, delta))
             for b, (row, n) in enumerate(zip(rows, delta["steps"])):

@@ -190,6 +190,24 @@ def test_sampling_is_reproducible_and_differs_by_seed(smol, prompts, drafters):
     assert [r.tokens for r in a] != [r.tokens for r in c]
 
 
+def test_a_warm_up_call_teaches_the_policy_nothing(smol, prompts, drafters):
+    """decode.py's untimed warm-up runs the bandit's engine with ``learn=False``: its steps are a
+    cold start's (first use of each shape), and an arm timed there was priced slow for the
+    whole run (UCB1 on the design-card sweep). The same call with learning on updates it."""
+    from flashspec.bandits import UCB1
+    model, tok = smol
+    arms = [ARMS["ngram"], ARMS["layerskip"]]
+    made = {}
+    for learn in (False, True):
+        policy = UCB1(len(arms), reward="tps")
+        engine = SpecEngine(model, arms, policy, eos_ids=[tok.eos_token_id],
+                            drafters=[drafters["ngram"], drafters["layerskip"]])
+        made[learn] = engine.generate(prompts[:1], 8, learn=learn).rows[0]
+        steps = policy.rates.steps.sum()
+        assert (steps > 0) == learn and (policy.t > 0) == learn, (learn, steps, policy.t)
+    assert made[False].tokens == made[True].tokens    # greedy: the tokens are the same
+
+
 def test_bad_inputs(smol):
     model, _ = smol
     with pytest.raises(FlashSpecError, match="empty prompt"):
