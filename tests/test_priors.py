@@ -150,26 +150,32 @@ def test_a_prior_from_a_machine_whose_costs_rank_the_arms_otherwise_is_corrected
     assert np.mean(np.array(picks[-60:]) == 0) > 0.8, picks
 
 
-@pytest.mark.parametrize("name,seed", [("ucb1", 0), ("ucb1", 3), ("thompson", 0)])
-def test_an_arm_whose_timing_step_read_slow_is_not_held_out_by_its_prior(name, seed):
+@pytest.mark.parametrize("name", ["ucb1", "thompson"])
+def test_an_arm_whose_timing_step_read_slow_is_not_held_out_by_its_prior(name):
     """Each prior-backed arm is stepped once to time it, and that step's seconds price all of its
-    pseudo-steps (200 here). Arm 1 is the fastest here, but its timing step took 1.4x its usual
+    pseudo-steps (200 here). Arm 1 is the fastest here, but its first step took 1.7x its usual
     time: read as certain, its rate stays under arm 0's and it is never stepped again (UCB1 did
-    this on a CPU box; these seeds did it before). The spread also carries the error of the
-    arm's mean step time here, from its own steps only, so the arm is stepped again and the
-    policy settles on it."""
-    policy = (UCB1 if name == "ucb1" else ThompsonSampling)(3, seed=0, reward="tps", min_pulls=2)
-    tokens = np.array([2.5, 2.2, 2.6])                    # committed tokens a step (the prior's)
-    cost = np.array([0.080, 0.055, 0.090])                # this machine: arm 1 the fastest
-    policy.warm_start([200] * 3, tokens / 0.065, [0.065] * 3, weight=200)
-    rng = np.random.default_rng(seed)
-    picks = []
-    for step in range(300):
-        arm = policy.select()
-        picks.append(arm)
-        seconds = cost[arm] * rng.normal(1.0, 0.1) * (1.4 if arm == 1 and step < 3 else 1.0)
-        policy.update(arm, (1 + rng.binomial(3, (tokens[arm] - 1) / 3)) / seconds, seconds)
-    assert np.mean(np.array(picks[-100:]) == 1) > 0.8, np.bincount(picks)
+    this on a CPU box). The spread also carries the error of the arm's mean step time here, from
+    its own few steps (widened while they are few), so the arm is stepped again and the policy
+    settles on it. Over 20 streams at most 2 lock out; with the pooled error alone (no
+    widening) 13 of 20 did for UCB1 and 14 for Thompson sampling."""
+    locked = 0
+    for seed in range(20):
+        policy = (UCB1 if name == "ucb1" else ThompsonSampling)(3, seed=0, reward="tps",
+                                                                  min_pulls=2)
+        tokens = np.array([2.5, 2.2, 2.6])                # committed tokens a step (the prior's)
+        cost = np.array([0.080, 0.055, 0.090])            # this machine: arm 1 the fastest
+        policy.warm_start([200] * 3, tokens / 0.065, [0.065] * 3, weight=200)
+        rng = np.random.default_rng(seed)
+        picks = []
+        for _ in range(300):
+            arm = policy.select()
+            slow = 1.7 if arm == 1 and 1 not in picks else 1.0
+            picks.append(arm)
+            seconds = cost[arm] * rng.normal(1.0, 0.1) * slow
+            policy.update(arm, (1 + rng.binomial(3, (tokens[arm] - 1) / 3)) / seconds, seconds)
+        locked += np.mean(np.array(picks[-100:]) == 1) < 0.5
+    assert locked <= 2, f"{locked} of 20 streams never settled on the fastest arm"
 
 
 def test_warm_start_guards():

@@ -17,6 +17,10 @@ import numpy as np
 from flashspec.bandits.base import Context, Policy
 from flashspec.errors import FlashSpecError
 
+# RateStats._pricing_var: how much wider than the pooled estimate the error of an arm's mean
+# step time is after m own steps, as a factor 1 + SMALL_SAMPLE / m on its variance
+SMALL_SAMPLE = 4.0
+
 
 class RateStats:
     """Per replicate and arm: the ratio estimate R = X / C (X = Σ r·c, C = Σ c) and its standard
@@ -139,9 +143,13 @@ class RateStats:
     def _pricing_var(self, rate: np.ndarray, seconds: np.ndarray) -> np.ndarray | float:
         """Variance of the rate from pricing the pseudo-steps at the arm's mean step time here,
         which only its own m steps measure: (R · s)² · cv² / m, s the pseudo-steps' share of the
-        arm's seconds, cv² one step time's relative variance pooled over the arms' own steps. With
-        hundreds of pseudo-steps and one timing step, the residual term alone would read an arm
-        whose one step ran slow as certain and never step it again."""
+        arm's seconds, cv² one step time's relative variance pooled over the arms' own steps,
+        widened by (1 + SMALL_SAMPLE / m): step times are heavier-tailed than the pooled Gaussian
+        says (a step that met a busy core, a prompt's first step), and the mean of one or two of
+        them is not known to the pooled precision. With hundreds of pseudo-steps and one timing
+        step, the residual term alone would read an arm whose one step ran slow as certain and
+        never step it again; the widening also retries an arm whose timing step ran 1.7x slow
+        (tests/test_priors.py) at a fraction of a percent of throughput where none did."""
         if not self.seeded.any():   # no priors (most runs): nothing is priced
             return 0.0
         played = self.seen > 0
@@ -152,7 +160,8 @@ class RateStats:
         cv2 = rel.sum(axis=1, keepdims=True) / np.maximum(dof, 1.0)   # 0 until an arm repeats
         # seconds is this run's steps plus the pseudo-steps at its times (_seconds): their share
         share = np.divide(seconds - self.c, seconds, out=np.zeros_like(self.c), where=seconds > 0)
-        return np.divide((rate * share) ** 2 * cv2, self.seen, out=np.zeros_like(self.c),
+        few = 1.0 + SMALL_SAMPLE / np.maximum(self.seen, 1.0)
+        return np.divide((rate * share) ** 2 * cv2 * few, self.seen, out=np.zeros_like(self.c),
                          where=played)
 
     def draw(self, rngs: Sequence[np.random.Generator], explore: float = 1.0) -> np.ndarray:
