@@ -152,7 +152,7 @@ def test_head_choices_and_planner():
     (["dataset.n_prompts=0"], ["dataset.n_prompts"]),
     (["dataset.max_new_tokens=-1"], ["dataset.max_new_tokens"]),
     (["bandit=ucb1", "bandit.reward=speed"], ["bandit.reward", "speed"]),
-    (["bandit.arm=5"], ["arm=5"]),
+    (["bandit=fixed", "bandit.arm=5"], ["arm=5"]),
     (["planner=goodput", "planner.objective=fastest"], ["objective"]),
 ])
 def test_contradictions_fail_at_composition(overrides, needles):

@@ -148,8 +148,8 @@ class RateStats:
         says (a step that met a busy core, a prompt's first step), and the mean of one or two of
         them is not known to the pooled precision. With hundreds of pseudo-steps and one timing
         step, the residual term alone would read an arm whose one step ran slow as certain and
-        never step it again; the widening also retries an arm whose timing step ran 1.7x slow
-        (tests/test_priors.py) at a fraction of a percent of throughput where none did."""
+        never step it again; the widening also retries an arm whose timing step ran far slower
+        than its others (tests/test_priors.py), for little extra exploration."""
         if not self.seeded.any():   # no priors (most runs): nothing is priced
             return 0.0
         played = self.seen > 0
