@@ -66,7 +66,7 @@ BAD_VALUES = [
     (["dataset.max_new_tokens=true"], "dataset.max_new_tokens must be an integer >= 1, got True"),
     (["runtime.cuda_graphs=abc"], "runtime.cuda_graphs must be true or false, got 'abc'"),
     (["bandit=ucb1", "bandit.c=abc"], "bandit.c must be a finite number >= 0, got 'abc'"),
-    (["bandit.arm=1.5"], "bandit.arm must be an integer >= 0, got 1.5"),
+    (["bandit=fixed", "bandit.arm=1.5"], "bandit.arm must be an integer >= 0, got 1.5"),
     (["planner=goodput", "planner.replan=0.5"], "planner.replan must be an integer >= 1, got 0.5"),
     (["drafters.gammas=[2.5]"], "drafters.gammas.0 must be an integer >= 1, got 2.5"),
     (["drafters.arms=[[ngram,2.5]]"], "drafters.arms: 2.5 for drafter 'ngram' is not a gamma "

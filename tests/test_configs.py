@@ -54,9 +54,7 @@ def test_every_config_option_composes_and_validates(group, option):
             validate(cfg)
         validate(composed("target=hf", "target.source=some/model"))
         return
-    required = {("drafters", "qwen_eagle"): ["drafters.drafters.eagle_qwen.checkpoint"],
-                ("drafters", "qwen_mixed"): ["drafters.drafters.eagle_qwen.checkpoint"],
-                ("drafters", "twins"): ["drafters.drafters.eagle_twin.checkpoint",
+    required = {("drafters", "twins"): ["drafters.drafters.eagle_twin.checkpoint",
                                         "drafters.drafters.eagle_twin.twin"],
                 ("experiment", "head_decode_qwen_eagle"): ["experiment.drafter.checkpoint"]}
     if (group, option) in required:   # a drafter no checkpoint is committed for (???)
@@ -72,6 +70,23 @@ def test_every_config_option_composes_and_validates(group, option):
             validate(cfg)
         return
     validate(cfg)
+
+
+def test_the_drafter_set_follows_the_target():
+    """config.yaml picks drafters=<target>: SmolLM2's trained EAGLE set by default, the 1.5B's own
+    EAGLE drafter (at a fixed path under .cache, no drafter of its size is committed) with
+    target=qwen2.5-coder-1.5b, prompt lookup where no drafter of the target's is shipped; an
+    explicit drafters=... and an experiment's override still win."""
+    def drafters(*overrides):
+        return sorted(composed(*overrides).drafters.drafters)
+    assert drafters() == ["eagle_lr72", "ngram"]
+    assert drafters("target=qwen2.5-coder-1.5b") == ["eagle_qwen", "ngram"]
+    assert composed("target=qwen2.5-coder-1.5b").drafters.drafters.eagle_qwen.checkpoint == \
+        ".cache/drafters/qwen2.5-coder-1.5b.safetensors"
+    assert drafters("target=qwen2.5-coder-0.5b") == drafters("target=llama8b_dummy") == ["ngram"]
+    assert drafters("target=qwen2.5-coder-1.5b", "drafters=ngram") == ["ngram"]
+    assert drafters("experiment=mixed_stream") == ["eagle_lr72", "ngram", "skip10"]
+    assert set(options("target")) <= set(options("drafters")), "a target without a drafter set"
 
 
 def test_every_hardware_names_its_default_runtime():

@@ -23,6 +23,8 @@
 #                                                # equality in fp32); HW (h100, h200) is read
 #                                                # from nvidia-smi unless set.
 #   S=<seed> bash scripts/device/qwen.sh eagle_tree  # its chain beside dynamic / three-branch trees
+#   S=<seed> bash scripts/device/qwen.sh card    # the design card's sweep on the 1.5B (its drafter
+#                                                # carried with ckin; N prompts, default 24)
 #   MIX="<draws>" S=<draw> bash scripts/device/qwen.sh mixed   # experiment=mixed_stream with the
 #                                                # drafter, prompt lookup and (its parts carried)
 #                                                # the 0.5B, one job per draw in MIX
@@ -147,10 +149,17 @@ stage() {
                experiment.temperature=$t "drafters.arms=$arms" $ARMS 'experiment.methods=[ar,spec,each_arm]' \
                hydra.run.dir=$R/tree_${ds}_t${t%.0} || return 1
            done; done;;
+    card)  # the design card's sweep on this target as a user types it (its drafter set is the
+           # target's own, whose checkpoint path is linked to the carried drafter; d/16's head is
+           # trained on first use), 24 prompts of draw S; no wandb on the box
+           mkdir -p .cache/drafters && ln -sf "$DRAFTER" .cache/drafters/qwen2.5-coder-1.5b.safetensors &&
+             ln -sf "${DRAFTER%.safetensors}.json" .cache/drafters/qwen2.5-coder-1.5b.json || return 1
+           runpy -m hardware=$HW target=qwen2.5-coder-1.5b bandit=ucb1,thompson head.rank=d/8,d/16 \
+             logger=disabled seed=$S dataset.seed=$S dataset.n_prompts=${N:-24} hydra.sweep.dir=$R/card;;
     heads) $BASE experiment=head_decode_qwen hydra.run.dir=$R/head_decode_qwen || return 1
            [ -d /dev/shm/qwen_parts/q05 ] || { echo "no 0.5B on the box: head_decode_qwen05 skipped"; return 0; }
            $BASE experiment=head_decode_qwen05 hydra.run.dir=$R/head_decode_qwen05;;
-    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm eagle_tree mixed)" >&2; return 2;;
+    *) echo "unknown stage $1 (setup he mt gsm fp32 nf4 heads train eagle eagle_fp32 eagle_he eagle_mt eagle_gsm eagle_tree mixed card)" >&2; return 2;;
   esac
 }
 for s in "$@"; do
