@@ -304,8 +304,8 @@ def validate(cfg: DictConfig, overrides: list[str] = ()) -> None:
             names = ", ".join(cfg.drafters.get("drafters") or {}) or "none"
             raise FlashSpecError(f"{' '.join(head_keys)} has no effect: no drafter of this "
                                  f"drafter set ({names}) takes the head choice (drafter entries "
-                                 "with `head: ${head}` do); pick one that has (the target's own set, drafters=<target>) "
-                                 "or drop it")
+                                 "with `head: ${head}` do); pick a set that has one (the "
+                                 "target's own, drafters=<target>) or drop it")
     if "bandit" in cfg and "drafters" in cfg:
         make_policy(cfg.bandit, max(1, len(config_arms(cfg.drafters))), int(cfg.seed))
     make_planner(cfg)
