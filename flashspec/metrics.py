@@ -136,8 +136,9 @@ def single_arm(record: dict[str, Any]) -> int | None:
 def _alone_by_prompt(records: list[dict[str, Any]], alone: dict[int, str]
                      ) -> dict[tuple, dict[str, Any]]:
     """The records of the methods that play an arm alone, by (prompt, turn, method)."""
+    methods = set(alone.values())
     return {(r.get("prompt_id"), r.get("turn") or 0, r["method"]): r
-            for r in records if r.get("method") in set(alone.values())}
+            for r in records if r.get("method") in methods}
 
 
 def step_overhead(records: Iterable[dict[str, Any]], method: str, alone: dict[int, str]
