@@ -8,8 +8,8 @@ A job folder holds ``records.jsonl`` (or the packed ``records.jsonl.gz``) and th
 the records or a ``provenance.json`` beside them); the policy's arms, in index order, are the run
 config's drafter set's (:func:`experiments.harness.config_arms`), each played alone as
 ``spec:<arm label>``. Prints one JSON object per folder: ``step_overhead``, method -> [median
-seconds per step over the arm's alone, prompts] (:func:`flashspec.metrics.step_overhead`); ``priced_vs_best_fixed``,
-method -> its pooled tok/s with every step priced at its arm's seconds per step alone on that
+seconds per step over the arm's alone, prompts] (:func:`flashspec.metrics.step_overhead`);
+``priced_vs_best_fixed``, method -> its pooled tok/s with every step priced at its arm's seconds per step alone on that
 prompt (:func:`flashspec.metrics.priced_rate`) over the best arm alone's pooled tok/s.
 """
 from __future__ import annotations
