@@ -9,8 +9,9 @@ the records or a ``provenance.json`` beside them); the policy's arms, in index o
 config's drafter set's (:func:`experiments.harness.config_arms`), each played alone as
 ``spec:<arm label>``. Prints one JSON object per folder: ``step_overhead``, method -> [median
 seconds per step over the arm's alone, prompts] (:func:`flashspec.metrics.step_overhead`);
-``priced_vs_best_fixed``, method -> its pooled tok/s with every step priced at its arm's seconds per step alone on that
-prompt (:func:`flashspec.metrics.priced_rate`) over the best arm alone's pooled tok/s.
+``priced_vs_best_fixed``, method -> its pooled tok/s with every step priced at its arm's seconds
+per step alone on that prompt (:func:`flashspec.metrics.priced_rate`) over the best arm alone's
+pooled tok/s.
 """
 from __future__ import annotations
 
