@@ -252,17 +252,17 @@ def test_a_printed_table_and_a_pattern_are_read_as_records(copied_page):
 def test_a_median_over_prompts_pairs_each_prompt_with_its_own_ar(copied_page):
     """`pair` divides each prompt's tok/s by the same prompt's AR; `ratio` divides two pooled values."""
     page, results = copied_page
-    path = results / "bench_h100_s9473/greedy_he/records.jsonl.gz"
+    path = results / "bench_h100_bandit_s9907/s9907/greedy_he/records.jsonl.gz"
     rows = list(read_records(path))
     ar = {r["prompt_id"]: r["tps"] for r in rows if r["method"] == "ar"}
     speedups = [r["tps"] / ar[r["prompt_id"]] for r in rows if r["method"] == "tree"]
-    spec = {"run": "bench_h100_s9473", "file": "greedy_he/records.jsonl.gz",
+    spec = {"run": "bench_h100_bandit_s9907", "file": "s9907/greedy_he/records.jsonl.gz",
             "where": {"method": "tree"}, "field": "tps", "over": {"method": "ar"},
             "pair": ["prompt_id", "turn"], "agg": "median"}
     assert len(speedups) == 24 and page.measure(spec) == [pytest.approx(statistics.median(speedups))]
     with pytest.raises(page.SelectorError):   # without the pair, 24 AR records divide each value
         page.measure({**spec, "pair": []})
-    pooled = {"run": "bench_h100_s9473", "file": "greedy_he/records.jsonl.gz",
+    pooled = {"run": "bench_h100_bandit_s9907", "file": "s9907/greedy_he/records.jsonl.gz",
               "field": ["n_new_tokens", "wall_s"], "agg": "pooled"}
 
     def tps(method: str) -> float:
