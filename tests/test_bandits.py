@@ -494,3 +494,34 @@ def test_tps_warm_start_moves_rate_and_evidence(cls):
         first.append(a)
         cold.update(a, 70.0, 0.03)
     assert sorted(set(first)) == [0, 1, 2]   # min_pulls: every arm twice before any index
+
+
+def test_thompson_on_tps_retries_an_arm_judged_on_one_hard_prompt():
+    """Three arms (a chain of 3, a chain of 4 that commits 13 % more tokens a second, a wider
+    tree); the first prompt is hard, and the better chain's fourteen steps there commit one or
+    two tokens, as on a GPU bench cell where that arm then never ran again. The later prompts
+    are easier, and steps of one prompt share its difficulty. Stepping every arm on its first
+    three prompts and shrinking its variance towards the pooled one with 20 pseudo-steps (the
+    defaults) brings it back on most of 40 seeds; with neither, it is locked out on almost all."""
+    def late_steps(**kw) -> np.ndarray:
+        n = 40
+        pol = ThompsonSampling(3, list(range(n)), reward="tps", **kw)
+        rng = np.random.default_rng(7)
+        lam, cap = np.array([2.0, 2.6, 2.2]), np.array([3, 4, 5])
+        cost = np.array([1.2e-3, 1.3e-3, 1.45e-3])
+        first = [(1, 2), (1, 1), (2, 2), (0, 2), (0, 1), (2, 2), (2, 1), (0, 2)] + [(1, 1)] * 4 \
+            + [(1, 2), (1, 1)] + [(0, 1 + k % 2) for k in range(50)] + [(2, 1 + k % 2) for k in range(10)]
+        for s, (a, t) in enumerate(first):
+            pol.select_many({"step": s})
+            pol.update_many(np.full(n, a), np.full(n, t / cost[a]), np.full(n, cost[a]), {"step": s})
+        late = np.zeros(n)
+        for _ in range(15):
+            d = rng.uniform(0.6, 1.4, size=n)
+            for s in range(60):
+                arms = pol.select_many({"step": s})
+                t = 1 + np.minimum(rng.poisson(lam[arms] * d), cap[arms])
+                pol.update_many(arms, t / cost[arms], cost[arms], {"step": s})
+                late += arms == 1
+        return late
+    assert (late_steps() < 20).sum() <= 12
+    assert (late_steps(min_prompts=1, prior_weight=1.0) < 20).sum() >= 30

@@ -20,27 +20,47 @@ from flashspec.errors import FlashSpecError
 class ThompsonSampling(Policy):
     """Beta(prior_alpha + successes, prior_beta + failures) per arm; plays the largest draw.
     With ``reward: tps``: a draw from each arm's Gaussian rate posterior, every arm played
-    ``min_pulls`` times first (with priors: once, to time its step on this machine)."""
+    ``min_pulls`` times first (with priors: once, to time its step on this machine).
+
+    Steps of one prompt are not independent evidence: the prompt sets how much any arm
+    accepts, so a few steps of an arm on a hard prompt read as a slow arm known precisely.
+    Without priors an arm is therefore stepped once on each of its first ``min_prompts``
+    prompts (a prompt starts where the engine's ``step`` context is 0: one generate call, a
+    batch when B > 1) before its draw alone decides, and its residual variance is shrunk
+    towards the pooled one with ``prior_weight`` pseudo-steps (:class:`RateStats`): a handful
+    of steps that happened to agree must not narrow its posterior to nothing. Either alone
+    leaves an arm judged on the first steps of one hard prompt locked out for a whole job in
+    some runs (tests/test_bandits.py)."""
 
     name = "thompson"
     takes_priors = True
 
     def __init__(self, n_arms: int, seed: int | Sequence[int] = 0, prior_alpha: float = 1.0,
-                 prior_beta: float = 1.0, min_pulls: int = 2, **kw: float) -> None:
+                 prior_beta: float = 1.0, min_pulls: int = 2, min_prompts: int = 3,
+                 prior_weight: float = 20.0, **kw: float) -> None:
         super().__init__(n_arms, seed, **kw)
-        if not (prior_alpha > 0 and prior_beta > 0) or int(min_pulls) < 1:
-            raise FlashSpecError(f"bandit={self.name}: prior_alpha={prior_alpha} and "
-                                 f"prior_beta={prior_beta} must be > 0, min_pulls={min_pulls} >= 1")
+        if not (prior_alpha > 0 and prior_beta > 0) or int(min_pulls) < 1 \
+                or int(min_prompts) < 1 or not prior_weight > 0:
+            raise FlashSpecError(f"bandit={self.name}: prior_alpha={prior_alpha}, prior_beta="
+                                 f"{prior_beta} and prior_weight={prior_weight} must be > 0, "
+                                 f"min_pulls={min_pulls} and min_prompts={min_prompts} >= 1")
         self.prior_alpha, self.prior_beta = float(prior_alpha), float(prior_beta)
-        self.min_pulls = int(min_pulls)
-        self._succ = np.zeros((self.n_envs, self.n_arms))
-        self._fail = np.zeros((self.n_envs, self.n_arms))
+        self.min_pulls, self.min_prompts = int(min_pulls), int(min_prompts)
+        shape = (self.n_envs, self.n_arms)
+        self._succ = np.zeros(shape)
+        self._fail = np.zeros(shape)
+        self._prompts = np.zeros(shape)              # prompts each arm was stepped on
+        self._on_prompt = np.zeros(shape, dtype=bool)   # ... and whether on the current one
         if self.reward_kind == "tps":
-            self.rates = RateStats((self.n_envs, self.n_arms))
+            self.rates = RateStats(shape, prior_weight=prior_weight)
 
     def _scores(self, context: Context) -> np.ndarray:
         if self.rates is not None:
-            first = (self._counts < self.min_pulls) | self.rates.unmeasured()
+            step = None if context is None else context.get("step")
+            if step is not None:   # a replicate at its step 0 starts a prompt (scalar or [n_envs])
+                self._on_prompt[np.broadcast_to(np.asarray(step) == 0, (self.n_envs,))] = False
+            few = (self._prompts < self.min_prompts) & ~self._on_prompt & (self.rates.seeded == 0)
+            first = (self._counts < self.min_pulls) | self.rates.unmeasured() | few
             return np.where(first, np.inf, self.rates.draw(self.rngs))
         a = self.prior_alpha + self._succ
         b = self.prior_beta + self._fail
@@ -58,6 +78,10 @@ class ThompsonSampling(Policy):
             win, lose = self._trials(r)
             self._succ += win
             self._fail += lose
+        else:
+            seen = ~np.isnan(r)
+            self._prompts += seen & ~self._on_prompt
+            self._on_prompt |= seen
         super()._observe(r, c, pulled, context)
 
     def _seed_prior(self, n: np.ndarray, mean: np.ndarray, cost: np.ndarray) -> None:
