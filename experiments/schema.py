@@ -108,7 +108,8 @@ BANDIT = {"reward": TEXT, "full_info": BOOL, "reward_scale": number(0, lo_open=T
           "arm": COUNT, "c": number(0), "epsilon": number(0, 1), "window": POSITIVE,
           "discount": number(0, 1, lo_open=True), "prior_alpha": number(0, lo_open=True),
           "prior_beta": number(0, lo_open=True), "eta": number(0, lo_open=True) | NULL,
-          "horizon": POSITIVE, "min_pulls": COUNT, "explore": number(0), "key": TEXT | TEXTS,
+          "horizon": POSITIVE, "min_pulls": COUNT, "min_prompts": POSITIVE,
+          "prior_weight": number(0, lo_open=True), "explore": number(0), "key": TEXT | TEXTS,
           "cold": BOOL}
 
 COMMON: dict[str, Kind] = {
