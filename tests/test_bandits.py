@@ -509,8 +509,9 @@ def test_thompson_on_tps_retries_an_arm_judged_on_one_hard_prompt():
         rng = np.random.default_rng(7)
         lam, cap = np.array([2.0, 2.6, 2.2]), np.array([3, 4, 5])
         cost = np.array([1.2e-3, 1.3e-3, 1.45e-3])
-        first = [(1, 2), (1, 1), (2, 2), (0, 2), (0, 1), (2, 2), (2, 1), (0, 2)] + [(1, 1)] * 4 \
-            + [(1, 2), (1, 1)] + [(0, 1 + k % 2) for k in range(50)] + [(2, 1 + k % 2) for k in range(10)]
+        first = [(1, 2), (1, 1), (2, 2), (0, 2), (0, 1), (2, 2), (2, 1), (0, 2)] \
+            + [(1, 1)] * 4 + [(1, 2), (1, 1)] + [(0, 1 + k % 2) for k in range(50)] \
+            + [(2, 1 + k % 2) for k in range(10)]
         for s, (a, t) in enumerate(first):
             pol.select_many({"step": s})
             pol.update_many(np.full(n, a), np.full(n, t / cost[a]), np.full(n, cost[a]), {"step": s})
