@@ -514,7 +514,8 @@ def test_thompson_on_tps_retries_an_arm_judged_on_one_hard_prompt():
             + [(2, 1 + k % 2) for k in range(10)]
         for s, (a, t) in enumerate(first):
             pol.select_many({"step": s})
-            pol.update_many(np.full(n, a), np.full(n, t / cost[a]), np.full(n, cost[a]), {"step": s})
+            arm = np.full(n, a)
+            pol.update_many(arm, t / cost[arm], cost[arm], {"step": s})
         late = np.zeros(n)
         for _ in range(15):
             d = rng.uniform(0.6, 1.4, size=n)
