@@ -49,10 +49,10 @@ class ThompsonSampling(Policy):
         shape = (self.n_envs, self.n_arms)
         self._succ = np.zeros(shape)
         self._fail = np.zeros(shape)
-        self._prompts = np.zeros(shape)              # prompts each arm was stepped on
-        self._on_prompt = np.zeros(shape, dtype=bool)   # ... and whether on the current one
         if self.reward_kind == "tps":
             self.rates = RateStats(shape, prior_weight=prior_weight)
+            self._prompts = np.zeros(shape)              # prompts each arm was stepped on
+            self._on_prompt = np.zeros(shape, dtype=bool)   # ... and whether on the current one
 
     def _scores(self, context: Context) -> np.ndarray:
         if self.rates is not None:
